@@ -1,0 +1,83 @@
+"""Shared fixtures: a throwaway copy of the project, and small params for fast stage runs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Small enough for a 2-core CI box, big enough for BPE merges and both splits.
+SMALL_PARAMS = {
+    "download": {"max_docs": 400},
+    "tokenizer": {"vocab_size": 384},
+    "tokenize": {"num_proc": 1, "batch_size": 100},
+    "shard": {"shard_tokens": 4096},
+}
+
+
+def project_files() -> list[str]:
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [f for f in out.splitlines() if (ROOT / f).is_file()]
+
+
+def copy_project(dest: Path) -> Path:
+    for rel in project_files():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, target)
+    return dest
+
+
+def update_params(repo: Path, overlay: dict) -> None:
+    from dsflow.params import deep_merge
+
+    path = repo / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump(deep_merge(params, overlay), sort_keys=False))
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DSFLOW_PROGRESS": "0", **kw.pop("env", {})}
+    env.pop("DSFLOW_CONFIG", None)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+            f"stderr:\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def dsflow(*args: str, cwd: Path, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "dsflow", *args], cwd=cwd, check=check, **kw)
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A copy of the project with small data params, not a git repo."""
+    repo = copy_project(tmp_path / "repo")
+    update_params(repo, SMALL_PARAMS)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory) -> Path:
+    """A project copy whose data stages have all run once (read-only use, please)."""
+    repo = copy_project(tmp_path_factory.mktemp("prepared") / "repo")
+    update_params(repo, SMALL_PARAMS)
+    for stage in ("download", "tokenizer", "tokenize", "shard"):
+        dsflow(stage, cwd=repo)
+    return repo

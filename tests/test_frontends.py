@@ -1,0 +1,103 @@
+"""The Snakefile and dvc.yaml describe one DAG: same stages, commands, deps, outs and params."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+from conftest import ROOT
+
+# Loads the Snakefile through Snakemake's API in a child process (the Snakefile sets env vars).
+DUMP_RULES = r"""
+import json, sys
+from pathlib import Path
+from snakemake.api import SnakemakeApi
+from snakemake.settings.types import (ConfigSettings, OutputSettings, ResourceSettings,
+                                      StorageSettings)
+with SnakemakeApi(OutputSettings()) as api:
+    wf = api.workflow(resource_settings=ResourceSettings(), config_settings=ConfigSettings(),
+                      storage_settings=StorageSettings(), snakefile=Path("Snakefile"),
+                      workdir=Path("."))._workflow
+    rules = {}
+    for r in wf.rules:
+        if r.shellcmd is None:
+            continue
+        rules[r.name] = {
+            "cmd": r.shellcmd.strip(),
+            "deps": sorted(str(f) for f in r.input),
+            "outs": sorted(str(f) for f in r.output),
+            "params": sorted(k.replace("__", ".") for k in r.params.keys()),
+            "log": [str(f) for f in r.log],
+            "resources": {k: v for k, v in r.resources.items() if k == "gpus"},
+        }
+    print("RULES" + json.dumps(rules))
+"""
+
+
+def snakemake_rules(repo=ROOT) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", DUMP_RULES], cwd=repo, capture_output=True, text=True, check=True
+    )
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RULES"))
+    return json.loads(line[len("RULES") :])
+
+
+def _out_path(out) -> str:
+    return next(iter(out)) if isinstance(out, dict) else out
+
+
+def dvc_stages(repo=ROOT) -> dict:
+    dvc = yaml.safe_load((repo / "dvc.yaml").read_text())
+    stages = {}
+    for name, st in dvc["stages"].items():
+        stages[name] = {
+            "cmd": st["cmd"].strip(),
+            "deps": sorted(st.get("deps", [])),
+            "outs": sorted(_out_path(o) for o in st.get("outs", []) + st.get("metrics", [])),
+            "params": sorted(st.get("params", [])),
+        }
+    return stages
+
+
+def differences(rules: dict, stages: dict) -> list[str]:
+    diffs = []
+    for name in sorted(set(rules) | set(stages)):
+        if name not in rules or name not in stages:
+            where = "dvc.yaml" if name not in stages else "Snakefile"
+            diffs.append(f"{name}: missing from {where}")
+            continue
+        for field in ("cmd", "deps", "outs", "params"):
+            if rules[name][field] != stages[name][field]:
+                diffs.append(
+                    f"{name}.{field}: Snakefile {rules[name][field]} != "
+                    f"dvc.yaml {stages[name][field]}"
+                )
+    return diffs
+
+
+def test_snakefile_and_dvc_yaml_describe_the_same_dag():
+    rules, stages = snakemake_rules(), dvc_stages()
+    assert {"download", "tokenizer", "tokenize", "shard"} <= set(stages)
+    assert differences(rules, stages) == []
+
+
+def test_every_command_is_a_dsflow_stage_and_every_rule_logs():
+    for name, rule in snakemake_rules().items():
+        assert rule["cmd"] == f"python -m dsflow {name}"
+        assert rule["log"] == [f"logs/{name}.log"]
+
+
+def test_drift_is_detected(tmp_path):
+    stages = dvc_stages()
+    rules = snakemake_rules()
+    drifted = json.loads(json.dumps(stages))
+    drifted["tokenizer"]["params"].append("seed")
+    drifted["shard"]["cmd"] = "python -m dsflow shard --fast"
+    del drifted["download"]
+    diffs = differences(rules, drifted)
+    assert any(d.startswith("tokenizer.params") for d in diffs)
+    assert any(d.startswith("shard.cmd") for d in diffs)
+    assert "download: missing from dvc.yaml" in diffs

@@ -1,0 +1,55 @@
+import json
+
+from transformers import AutoTokenizer
+
+from conftest import dsflow, update_params
+
+
+def test_tokenizer_loads_with_autotokenizer_and_round_trips(prepared):
+    tok = AutoTokenizer.from_pretrained(prepared / "data/tokenizer")
+    assert len(tok) == 384
+    assert tok.bos_token == "<|bos|>" and tok.eos_token == "<|eos|>" and tok.pad_token == "<|pad|>"
+    text = 'Mia found a "shiny" key.\n\nShe smiled. Caf\u00e9 \u2603!'
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text  # byte-level: any UTF-8 text round-trips
+    assert len(ids) < len(text.encode())  # merges were learned
+
+
+def test_tokenizer_is_deterministic(prepared, tmp_path):
+    import shutil
+
+    copy = tmp_path / "again"
+    shutil.copytree(prepared, copy)
+    dsflow("tokenizer", cwd=copy)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (copy / "data/tokenizer" / name).read_bytes() == (
+            prepared / "data/tokenizer" / name
+        ).read_bytes()
+
+
+def test_vocab_too_small_for_specials(prepared, tmp_path):
+    import shutil
+
+    copy = tmp_path / "small"
+    shutil.copytree(prepared, copy)
+    update_params(copy, {"tokenizer": {"vocab_size": 200}})
+    proc = dsflow("tokenizer", cwd=copy, check=False)
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert "tokenizer.vocab_size" in line and "259" in line and "\n" not in line
+    # The previous tokenizer is untouched: failed stages never replace good outputs.
+    assert json.loads((copy / "data/tokenizer/tokenizer.json").read_text())
+
+
+def test_pretrained_tokenizer_is_copied(prepared, tmp_path):
+    import shutil
+
+    copy = tmp_path / "pre"
+    shutil.copytree(prepared, copy)
+    shutil.copytree(prepared / "data/tokenizer", tmp_path / "mytok")
+    update_params(copy, {"tokenizer": {"pretrained": str(tmp_path / "mytok")}})
+    dsflow("tokenizer", cwd=copy)
+    assert len(AutoTokenizer.from_pretrained(copy / "data/tokenizer")) == 384
+    update_params(copy, {"tokenizer": {"pretrained": str(tmp_path / "missing")}})
+    proc = dsflow("tokenizer", cwd=copy, check=False)
+    assert proc.returncode == 2 and "tokenizer.pretrained" in proc.stderr

@@ -1,0 +1,5 @@
+import sys
+
+from dsflow.cli import main
+
+sys.exit(main())

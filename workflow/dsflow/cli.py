@@ -1,0 +1,80 @@
+"""`python -m dsflow <stage>`: the one command each Snakemake rule and DVC stage runs.
+
+User mistakes (UsageError) become one line on stderr and exit code 2; bugs still raise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dsflow import params as params_mod
+from dsflow.errors import UsageError
+
+STAGES = {
+    "download": "dsflow.download",
+    "tokenizer": "dsflow.tokenizer",
+    "tokenize": "dsflow.tokenize",
+    "shard": "dsflow.shard",
+    "train": "dsflow.train",
+}
+
+
+def _profile(args) -> None:
+    """Print a profile as `-S key=value` arguments for `dvc exp run`."""
+    import json
+
+    overlay = params_mod.read_yaml(args.file)
+    merged = params_mod.deep_merge(params_mod.read_yaml(args.params), overlay)
+    params_mod.validate(merged, source=f"{args.params} + {args.file}")
+    flat = params_mod.flatten(overlay)
+    print(" ".join(f"-S '{k}={json.dumps(v)}'" for k, v in sorted(flat.items())))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dsflow", description=__doc__)
+    parser.add_argument("--params", default="params.yaml", help="params file (default params.yaml)")
+    parser.add_argument(
+        "--profile",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="overlay file on top of --params (repeatable); also DSFLOW_PROFILES",
+    )
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    for name in STAGES:
+        sub.add_parser(name, help=f"run the {name} stage")
+    sub.add_parser("validate", help="validate the params and print the effective values")
+    prof = sub.add_parser("profile", help="print a profile as `dvc exp run -S` arguments")
+    prof.add_argument("file", help="profile overlay, e.g. profiles/rtx4090x3.yaml")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.stage == "profile":
+            _profile(args)
+            return 0
+        params = params_mod.load(args.params, overlays=args.profile)
+        if args.stage == "validate":
+            import yaml
+
+            print(yaml.safe_dump(params, sort_keys=False), end="")
+            return 0
+        from dsflow.progress import setup_logging
+
+        setup_logging(args.stage)
+        importlib.import_module(STAGES[args.stage]).run(params)
+    except UsageError as e:
+        print(f"dsflow {args.stage}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dsflow {args.stage}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

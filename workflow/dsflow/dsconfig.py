@@ -1,0 +1,177 @@
+"""The DeepSpeed config, generated from params.yaml (and a user's ds_config.json merged on top).
+
+Batch arithmetic is checked here, before any process starts: DeepSpeed itself would only fail
+after every rank has loaded the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsflow.errors import UsageError
+from dsflow.params import deep_merge
+
+
+@dataclass(frozen=True)
+class Batch:
+    micro: int
+    accum: int
+    world: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.world
+
+
+def resolve_batch(
+    micro: int | None, accum: int | None, global_batch: int | None, world: int
+) -> Batch:
+    """train_batch_size = micro x accum x world: any two given determine the third."""
+    if sum(v is not None for v in (micro, accum, global_batch)) < 2:
+        raise UsageError(
+            "train: give at least two of micro_batch, grad_accum, global_batch "
+            f"(got micro_batch={micro}, grad_accum={accum}, global_batch={global_batch})"
+        )
+    if global_batch is None:
+        return Batch(micro, accum, world)
+    if micro is not None and accum is not None:
+        if micro * accum * world != global_batch:
+            fix = global_batch / (micro * world)
+            hint = (
+                f"set grad_accum: {int(fix)}"
+                if fix.is_integer() and fix >= 1
+                else (f"set global_batch: {micro * accum * world}")
+            )
+            raise UsageError(
+                f"train: global_batch {global_batch} != micro_batch {micro} x grad_accum {accum} "
+                f"x {world} rank(s) = {micro * accum * world}; {hint}, or set one of them to null"
+            )
+        return Batch(micro, accum, world)
+    known_name, known = ("micro_batch", micro) if micro is not None else ("grad_accum", accum)
+    per_step = known * world
+    if global_batch % per_step:
+        raise UsageError(
+            f"train.global_batch: {global_batch} is not a multiple of {known_name} {known} x "
+            f"{world} rank(s) = {per_step}; use a multiple of {per_step}"
+        )
+    other = global_batch // per_step
+    return Batch(micro or other, accum or other, world)
+
+
+def total_steps(train: dict, batch: Batch) -> int:
+    if train["max_steps"] is not None:
+        return train["max_steps"]
+    if train["max_tokens"] is None:
+        raise UsageError("train: set max_steps or max_tokens")
+    return max(1, math.ceil(train["max_tokens"] / (batch.global_batch * train["seq_len"])))
+
+
+def scheduler(train: dict, steps: int) -> dict:
+    opt, sched = train["optimizer"], train["schedule"]
+    warmup = min(sched["warmup_steps"], max(steps - 1, 0))
+    if sched["kind"] == "warmup":
+        return {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": opt["lr"],
+                "warmup_num_steps": max(warmup, 1),
+                "warmup_type": "linear",
+            },
+        }
+    return {
+        "type": "WarmupCosineLR",
+        "params": {
+            "total_num_steps": steps,
+            "warmup_min_ratio": 0.0,
+            "warmup_num_steps": max(warmup, 1),
+            "cos_min_ratio": sched["min_lr_ratio"],
+            "warmup_type": "linear",
+        },
+    }
+
+
+def build(train: dict, batch: Batch, steps: int, device_type: str) -> dict:
+    """The DeepSpeed config for these params (before the user's file is merged)."""
+    opt, zero = train["optimizer"], train["zero"]
+    cfg = {
+        "train_batch_size": batch.global_batch,
+        "train_micro_batch_size_per_gpu": batch.micro,
+        "gradient_accumulation_steps": batch.accum,
+        "gradient_clipping": train["grad_clip"],
+        "steps_per_print": 10**9,  # dsflow logs itself
+        "wall_clock_breakdown": False,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": opt["lr"],
+                "betas": list(opt["betas"]),
+                "eps": opt["eps"],
+                "weight_decay": opt["weight_decay"],
+                # DeepSpeed's fused/CPU Adam ops need a compiler toolchain per accelerator; the
+                # torch implementation is exact and fast enough on CPU.
+                **({"torch_adam": True} if device_type == "cpu" else {}),
+            },
+        },
+        "scheduler": scheduler(train, steps),
+        "zero_optimization": {
+            "stage": train["zero_stage"],
+            "allgather_partitions": zero["allgather_partitions"],
+            "allgather_bucket_size": zero["allgather_bucket_size"],
+            "reduce_scatter": zero["reduce_scatter"],
+            "reduce_bucket_size": zero["reduce_bucket_size"],
+            "overlap_comm": zero["overlap_comm"] and device_type == "cuda",
+            "contiguous_gradients": zero["contiguous_gradients"],
+        },
+    }
+    if train["precision"] == "fp16":
+        fp16 = train["fp16"]
+        cfg["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,  # 0 = dynamic
+            "initial_scale_power": fp16["initial_scale_power"],
+            "loss_scale_window": fp16["loss_scale_window"],
+            "hysteresis": fp16["hysteresis"],
+            "min_loss_scale": fp16["min_loss_scale"],
+        }
+    elif train["precision"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+# Keys whose values dsflow derives from params.yaml: a user file may not silently change them.
+DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def merge_user(cfg: dict, path: str | Path) -> dict:
+    """Merge a user's ds_config.json over `cfg`, keeping the batch arithmetic consistent."""
+    path = Path(path)
+    try:
+        user = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"train.ds_config: {path} not found") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(
+            f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+        ) from None
+    if not isinstance(user, dict):
+        raise UsageError(f"{path}: expected a JSON object at the top")
+    for key in DERIVED:
+        if key in user and user[key] != cfg[key] and user[key] != "auto":
+            raise UsageError(
+                f"{path}: {key} {user[key]} differs from params.yaml's {cfg[key]} "
+                f"(micro_batch {cfg['train_micro_batch_size_per_gpu']} x grad_accum "
+                f"{cfg['gradient_accumulation_steps']} x ranks); set it in params.yaml's train "
+                "section instead, or remove it from the file"
+            )
+        user.pop(key, None)
+    merged = deep_merge(cfg, user)
+    if merged.get("fp16", {}).get("enabled") and merged.get("bf16", {}).get("enabled"):
+        raise UsageError(f"{path}: fp16 and bf16 are both enabled; keep one (train.precision)")
+    stage = merged.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise UsageError(f"{path}: zero_optimization.stage {stage!r} is not one of 0, 1, 2, 3")
+    return merged

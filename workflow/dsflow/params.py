@@ -1,0 +1,166 @@
+"""Load, overlay and validate params.yaml against the one JSON Schema.
+
+Snakemake validates its config with the same schema (workflow/rules/common.smk); when Snakemake
+runs a stage it hands over its effective config (params.yaml + any --configfile overlays) in
+DSFLOW_CONFIG, so a stage sees exactly what Snakemake validated. Run by hand or by DVC, a stage
+reads params.yaml, plus the overlays named in DSFLOW_PROFILES.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from dsflow.errors import UsageError
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "params.schema.yaml"
+CONFIG_ENV = "DSFLOW_CONFIG"
+PROFILES_ENV = "DSFLOW_PROFILES"
+
+
+def load_schema() -> dict:
+    with open(SCHEMA_PATH) as f:
+        return yaml.safe_load(f)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A YAML mapping from `path`; a missing, unreadable or non-mapping file is a UsageError."""
+    path = Path(path)
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: file not found") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise UsageError(f"{path}:{where}: {problem} (fix the YAML syntax)") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(
+            f"{path}: expected a mapping of keys at the top, got {type(data).__name__}"
+        )
+    return data
+
+
+def deep_merge(base: dict, overlay: dict) -> dict:
+    """`overlay` on top of `base`: mappings merge key by key, anything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _describe_allowed(schema: dict) -> str:
+    for word in ("oneOf", "anyOf"):
+        if word in schema:
+            return " or ".join(_describe_allowed(alt) for alt in schema[word])
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    if "enum" in schema:
+        return "one of " + ", ".join(json.dumps(v) for v in schema["enum"])
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds] if kinds else []
+    text = " or ".join(str(k) for k in kinds)
+    bounds = []
+    for word, sym in (
+        ("minimum", ">="),
+        ("exclusiveMinimum", ">"),
+        ("maximum", "<="),
+        ("exclusiveMaximum", "<"),
+    ):
+        if word in schema:
+            bounds.append(f"{sym} {schema[word]}")
+    if "minItems" in schema or "maxItems" in schema:
+        lo, hi = schema.get("minItems", 0), schema.get("maxItems", "any")
+        bounds.append(f"of {lo} item(s)" if lo == hi else f"of {lo}..{hi} items")
+    if "minLength" in schema:
+        bounds.append(f"at least {schema['minLength']} character(s)")
+    return " ".join(filter(None, [text, " and ".join(bounds)])) or "see the schema"
+
+
+def _format_error(err: jsonschema.ValidationError, source: str) -> str:
+    key = ".".join(str(p) for p in err.absolute_path) or "(top level)"
+    if err.validator == "additionalProperties":
+        allowed = sorted(err.schema.get("properties", {}))
+        unknown = sorted(set(err.instance) - set(allowed))
+        where = f"{key}." if err.absolute_path else ""
+        return (
+            f"{source}: unknown key {where}{unknown[0]} (allowed under {key}: {', '.join(allowed)})"
+        )
+    if err.validator == "required":
+        return f"{source}: {key}: missing required key ({err.message})"
+    return f"{source}: {key}: {json.dumps(err.instance)} is not allowed (allowed: {_describe_allowed(err.schema)})"
+
+
+def validate(params: dict, source: str = "params.yaml") -> dict:
+    """Validate against the schema; return a copy with schema defaults filled in."""
+    schema = load_schema()
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(
+        validator.iter_errors(params), key=lambda e: ([str(p) for p in e.absolute_path], e.message)
+    )
+    if errors:
+        # Deepest first: an error inside a section says more than "section is invalid".
+        err = max(errors, key=lambda e: len(e.absolute_path))
+        raise UsageError(_format_error(err, source))
+    return fill_defaults(params, schema)
+
+
+def fill_defaults(params: dict, schema: dict) -> dict:
+    out = copy.deepcopy(params)
+    for key, sub in schema.get("properties", {}).items():
+        if key not in out and "default" in sub:
+            out[key] = copy.deepcopy(sub["default"])
+        if isinstance(out.get(key), dict) and sub.get("type") == "object":
+            out[key] = fill_defaults(out[key], sub)
+    return out
+
+
+def load(path: str | Path = "params.yaml", overlays: list[str] | None = None) -> dict:
+    """The validated effective params for a stage run."""
+    if overlays is None and os.environ.get(CONFIG_ENV):
+        try:
+            config = json.loads(os.environ[CONFIG_ENV])
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{CONFIG_ENV}: not valid JSON ({e.msg}); unset it") from None
+        return validate(config, source="Snakemake config")
+    params = read_yaml(path)
+    if overlays is None:
+        overlays = [p for p in os.environ.get(PROFILES_ENV, "").split(os.pathsep) if p]
+    sources = [str(path)]
+    for overlay in overlays:
+        params = deep_merge(params, read_yaml(overlay))
+        sources.append(str(overlay))
+    return validate(params, source=" + ".join(sources))
+
+
+def get(params: dict, dotted: str) -> Any:
+    """params['a']['b'] for 'a.b'."""
+    node: Any = params
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def flatten(params: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a.b': value} for every leaf; lists are leaves."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,30 @@
+# Load and validate the config once. dsflow's own validator gives a one-line message naming the
+# key; Snakemake's validate() then checks the same schema and fills its defaults.
+import json
+import os
+import sys
+
+from snakemake.utils import validate
+
+from dsflow import params as dsflow_params
+from dsflow.errors import UsageError
+
+try:
+    config.update(dsflow_params.validate(dict(config), source="Snakemake config"))
+except UsageError as e:
+    sys.exit(f"dsflow: error: {e}")
+validate(config, schema="../schemas/params.schema.yaml")
+
+# Stages read params from here when Snakemake runs them, so --configfile overlays and --config
+# overrides reach the command exactly as Snakemake validated them.
+os.environ[dsflow_params.CONFIG_ENV] = json.dumps(config, sort_keys=True)
+
+
+def P(*keys):
+    """Rule params for dotted params.yaml keys, named as dvc.yaml names them ('.' -> '__')."""
+    return {key.replace(".", "__"): dsflow_params.get(config, key) for key in keys}
+
+
+def code(*modules):
+    """The stage's own source files: editing them reruns the stage, in DVC and here."""
+    return [f"workflow/dsflow/{m}.py" for m in modules]
