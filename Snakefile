@@ -11,9 +11,10 @@ configfile: "params.yaml"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
+include: "workflow/rules/train.smk"
 
 
 rule all:
     default_target: True
     input:
-        rules.shard.output,
+        rules.train.output,

@@ -31,7 +31,7 @@ with SnakemakeApi(OutputSettings()) as api:
             "outs": sorted(str(f) for f in r.output),
             "params": sorted(k.replace("__", ".") for k in r.params.keys()),
             "log": [str(f) for f in r.log],
-            "resources": {k: v for k, v in r.resources.items() if k == "gpus"},
+            "resources": {k: getattr(v, "value", v) for k, v in r.resources.items() if k == "gpus"},
         }
     print("RULES" + json.dumps(rules))
 """
@@ -39,8 +39,9 @@ with SnakemakeApi(OutputSettings()) as api:
 
 def snakemake_rules(repo=ROOT) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", DUMP_RULES], cwd=repo, capture_output=True, text=True, check=True
+        [sys.executable, "-c", DUMP_RULES], cwd=repo, capture_output=True, text=True
     )
+    assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RULES"))
     return json.loads(line[len("RULES") :])
 
@@ -49,14 +50,22 @@ def _out_path(out) -> str:
     return next(iter(out)) if isinstance(out, dict) else out
 
 
+def _persist(out) -> bool:
+    return isinstance(out, dict) and bool(next(iter(out.values())).get("persist"))
+
+
 def dvc_stages(repo=ROOT) -> dict:
+    """Stages of dvc.yaml. Persistent outs (resume state) are listed apart: Snakemake deletes a
+    job's outputs before running it, so the Snakefile must not declare them."""
     dvc = yaml.safe_load((repo / "dvc.yaml").read_text())
     stages = {}
     for name, st in dvc["stages"].items():
+        outs = st.get("outs", []) + st.get("metrics", []) + st.get("plots", [])
         stages[name] = {
             "cmd": st["cmd"].strip(),
             "deps": sorted(st.get("deps", [])),
-            "outs": sorted(_out_path(o) for o in st.get("outs", []) + st.get("metrics", [])),
+            "outs": sorted(_out_path(o) for o in outs if not _persist(o)),
+            "persist": sorted(_out_path(o) for o in outs if _persist(o)),
             "params": sorted(st.get("params", [])),
         }
     return stages
@@ -75,13 +84,25 @@ def differences(rules: dict, stages: dict) -> list[str]:
                     f"{name}.{field}: Snakefile {rules[name][field]} != "
                     f"dvc.yaml {stages[name][field]}"
                 )
+        for out in stages[name]["persist"]:
+            if out in rules[name]["outs"]:
+                diffs.append(
+                    f"{name}: persistent out {out} is a Snakemake output (deleted on rerun)"
+                )
     return diffs
 
 
 def test_snakefile_and_dvc_yaml_describe_the_same_dag():
     rules, stages = snakemake_rules(), dvc_stages()
-    assert {"download", "tokenizer", "tokenize", "shard"} <= set(stages)
+    assert {"download", "tokenizer", "tokenize", "shard", "train"} <= set(stages)
     assert differences(rules, stages) == []
+    assert stages["train"]["persist"] == ["checkpoints", "dvclive"]
+
+
+def test_train_rule_declares_its_gpus():
+    rules = snakemake_rules()
+    # params.yaml's default device is auto with 3 ranks: the rule asks for 3 GPUs.
+    assert rules["train"]["resources"] == {"gpus": 3}
 
 
 def test_every_command_is_a_dsflow_stage_and_every_rule_logs():
@@ -97,7 +118,11 @@ def test_drift_is_detected(tmp_path):
     drifted["tokenizer"]["params"].append("seed")
     drifted["shard"]["cmd"] = "python -m dsflow shard --fast"
     del drifted["download"]
+    drifted["train"]["outs"].remove("metrics/train.json")
+    drifted["train"]["persist"].append("models/final")
     diffs = differences(rules, drifted)
     assert any(d.startswith("tokenizer.params") for d in diffs)
     assert any(d.startswith("shard.cmd") for d in diffs)
     assert "download: missing from dvc.yaml" in diffs
+    assert any(d.startswith("train.outs") for d in diffs)
+    assert any("persistent out models/final" in d for d in diffs)

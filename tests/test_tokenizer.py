@@ -51,5 +51,5 @@ def test_pretrained_tokenizer_is_copied(prepared, tmp_path):
     dsflow("tokenizer", cwd=copy)
     assert len(AutoTokenizer.from_pretrained(copy / "data/tokenizer")) == 384
     update_params(copy, {"tokenizer": {"pretrained": str(tmp_path / "missing")}})
-    proc = dsflow("tokenizer", cwd=copy, check=False)
+    proc = dsflow("tokenizer", cwd=copy, check=False, env={"HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and "tokenizer.pretrained" in proc.stderr

@@ -93,6 +93,13 @@ def _check_utf8(path: str) -> None:
             ) from None
 
 
+def _check_parquet(path: str) -> None:
+    try:
+        pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise UsageError(f"{path}: cannot read as .parquet ({str(e).strip()[:200]})") from None
+
+
 def expand_paths(patterns: list[str]) -> list[str]:
     if not patterns:
         raise UsageError("download.files.paths: empty; list .txt/.jsonl/.parquet files or globs")
@@ -120,7 +127,9 @@ def file_documents(cfg: dict) -> Iterator[dict]:
             )
         if not os.access(path, os.R_OK):
             raise UsageError(f"{path}: cannot read the file (check its permissions)")
-        if ext != ".parquet":
+        if ext == ".parquet":
+            _check_parquet(path)
+        else:
             _check_utf8(path)
         # One .txt file is one document: stories and articles keep their paragraph breaks.
         extra = {"sample_by": "document"} if ext == ".txt" else {}

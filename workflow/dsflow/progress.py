@@ -31,6 +31,9 @@ def bar(iterable=None, *, desc: str, total: int | None = None, unit: str = "it",
 
 def setup_logging(stage: str, log_dir: str | Path = "logs") -> None:
     """Messages go to stderr and to logs/<stage>.log (the log file Snakemake declares)."""
+    if os.environ.get("DSFLOW_PROGRESS", "1") == "0":
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     log.handlers.clear()
     log.setLevel(logging.INFO)
     log.propagate = False

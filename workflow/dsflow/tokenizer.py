@@ -27,15 +27,19 @@ def iter_texts(path: Path, batch_size: int = 4096):
         yield batch.column(0).to_pylist()
 
 
-def train_bpe(texts_batches, n_docs: int, vocab_size: int, min_frequency: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+def check_vocab_size(vocab_size: int) -> None:
     if vocab_size < MIN_VOCAB:
         raise UsageError(
             f"tokenizer.vocab_size: {vocab_size} is too small: a byte-level BPE needs "
             f"{N_BYTES} byte tokens + {len(SPECIALS)} specials = {MIN_VOCAB}; use at least that"
         )
+
+
+def train_bpe(texts_batches, n_docs: int, vocab_size: int, min_frequency: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    check_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -87,6 +91,7 @@ def run(params: dict) -> None:
     if cfg["pretrained"]:
         tok = load_pretrained(cfg["pretrained"])
     else:
+        check_vocab_size(cfg["vocab_size"])
         n_docs = pq.ParquetFile(train_path).metadata.num_rows
         log.info("training byte-level BPE, vocab %d, on %d documents", cfg["vocab_size"], n_docs)
         tok = train_bpe(iter_texts(train_path), n_docs, cfg["vocab_size"], cfg["min_frequency"])

@@ -125,15 +125,24 @@ class Logger:
 
 
 def truncate_live_logs(root: Path, start: int) -> None:
-    """A resumed run re-logs steps >= start: drop the old rows so each step appears once."""
+    """A resumed run re-logs the steps after `start`: drop their old rows (logged before the
+    interruption) so each step appears once."""
     for tsv in (root / "plots" / "metrics").rglob("*.tsv"):
         lines = tsv.read_text().splitlines(keepends=True)
         if not lines:
             continue
         header, rows = lines[0], lines[1:]
         step_col = header.rstrip("\n").split("\t").index("step")
-        kept = [r for r in rows if int(r.split("\t")[step_col]) < start]
+        kept = [r for r in rows if int(r.split("\t")[step_col]) <= start]
         tsv.write_text(header + "".join(kept))
+
+
+def inject_fault(step: int, rank: int) -> None:
+    """Fault-injection tests: DSFLOW_FAULT_STEP=s [DSFLOW_FAULT_RANK=r] hard-kills rank r
+    right after step s, as a crash or an OOM kill would."""
+    at = os.environ.get("DSFLOW_FAULT_STEP")
+    if at and int(at) == step and rank == int(os.environ.get("DSFLOW_FAULT_RANK", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> int:
@@ -280,6 +289,7 @@ def main() -> int:
                 logger.log(step, metrics)
             logger.progress(loss_value, tokens_per_s)
             history.append({"step": step, "dt": dt, "memory": memory, "expert": expert, **metrics})
+        inject_fault(step, rank)
         stop = bool(all_sum([1.0 if Stop.requested else 0.0], device)[0])
         if step % train["checkpoint_every"] == 0 or step == steps or stop:
             save(step)

@@ -28,3 +28,19 @@ def P(*keys):
 def code(*modules):
     """The stage's own source files: editing them reruns the stage, in DVC and here."""
     return [f"workflow/dsflow/{m}.py" for m in modules]
+
+
+def train_gpus():
+    """GPUs the train rule occupies (0 on CPU), for Snakemake's scheduler and cluster jobs."""
+    train = config["train"]
+    if train["device"] == "cpu":
+        return 0
+    if train["gpus"] != "auto":
+        return train["gpus"]
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return 0
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    return sum(line.startswith("GPU ") for line in out.splitlines())

@@ -1,0 +1,152 @@
+"""The train stage on CPU: 3 gloo ranks, tiny preset, builtin corpus."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import dsflow, update_params
+
+pytestmark = pytest.mark.slow
+
+TRAIN = {
+    "model": {"preset": "tiny"},
+    "train": {
+        "device": "cpu",
+        "gpus": 3,
+        "precision": "fp32",
+        "seq_len": 64,
+        "micro_batch": 2,
+        "grad_accum": 1,
+        "global_batch": None,
+        "max_steps": 12,
+        "eval_every": 6,
+        "eval_batches": 2,
+        "checkpoint_every": 5,
+        "optimizer": {"lr": 0.003},
+        "schedule": {"warmup_steps": 2},
+    },
+}
+
+
+def trained_copy(prepared, dest, overlay=None, env=None, check=True):
+    repo = dest
+    if not repo.exists():
+        shutil.copytree(
+            prepared,
+            repo,
+            ignore=shutil.ignore_patterns("checkpoints", "models", "dvclive", "metrics"),
+        )
+    update_params(repo, TRAIN)
+    if overlay:
+        update_params(repo, overlay)
+    return dsflow("train", cwd=repo, env=env or {}, check=check, timeout=900)
+
+
+def losses(repo, name="train/loss"):
+    rows = (repo / f"dvclive/plots/metrics/{name}.tsv").read_text().splitlines()[1:]
+    return {int(r.split("\t")[0]): float(r.split("\t")[1]) for r in rows}
+
+
+@pytest.fixture(scope="module")
+def baseline(prepared, tmp_path_factory):
+    """An uninterrupted 12-step run on 3 ranks."""
+    repo = tmp_path_factory.mktemp("baseline") / "repo"
+    trained_copy(prepared, repo)
+    return repo
+
+
+def test_loss_falls_and_outputs_exist(baseline):
+    curve = losses(baseline)
+    assert sorted(curve) == list(range(1, 13))
+    assert curve[12] < curve[1] - 1.0
+    metrics = json.loads((baseline / "metrics/train.json").read_text())
+    assert metrics["world_size"] == 3 and metrics["step"] == 12
+    assert metrics["val_loss"] < curve[1]
+    assert len(metrics["peak_memory_gb_per_rank"]) == 3
+    assert metrics["tokens"] == 12 * 2 * 3 * 64
+    assert metrics["params_total"] > metrics["params_activated"] > 0
+    ds = json.loads((baseline / "checkpoints/ds_config.json").read_text())
+    assert ds["train_batch_size"] == 6 and ds["zero_optimization"]["stage"] == 2
+    # keep_checkpoints (2): steps 10 and 12 remain, `latest` names the last.
+    assert sorted(p.name for p in (baseline / "checkpoints").glob("step*")) == [
+        "step00000010",
+        "step00000012",
+    ]
+    assert (baseline / "checkpoints/latest").read_text().strip() == "step00000012"
+    for name in ("experts/max_over_mean", "perf/tokens_per_s", "train/lr", "train/grad_norm"):
+        assert len(losses(baseline, name)) == 12
+
+
+def test_data_parallel_matches_one_rank_with_the_whole_batch(prepared, baseline, tmp_path):
+    single = tmp_path / "single"
+    trained_copy(prepared, single, {"train": {"gpus": 1, "micro_batch": 6}})
+    a, b = losses(baseline), losses(single)
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=2e-4, abs=2e-4), step
+
+
+def test_killed_run_resumes_to_the_same_final_loss(prepared, baseline, tmp_path):
+    repo = tmp_path / "killed"
+    proc = trained_copy(
+        prepared, repo, env={"DSFLOW_FAULT_STEP": "7", "DSFLOW_FAULT_RANK": "1"}, check=False
+    )
+    assert proc.returncode == 2
+    assert "training failed" in proc.stderr and "resume" in proc.stderr
+    assert (repo / "checkpoints/latest").read_text().strip() == "step00000005"
+    assert not (repo / "models/final").exists()
+    proc = trained_copy(prepared, repo)
+    assert "resumed from step 5" in proc.stderr
+    resumed, full = losses(repo), losses(baseline)
+    assert sorted(resumed) == list(range(1, 13))  # each step logged once
+    assert resumed[12] == pytest.approx(full[12], rel=1e-6)
+    val = json.loads((repo / "metrics/train.json").read_text())["val_loss"]
+    assert val == pytest.approx(
+        json.loads((baseline / "metrics/train.json").read_text())["val_loss"], rel=1e-6
+    )
+
+
+EVAL_EXPORTED = r"""
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+from dsflow.data import ShardReader
+from dsflow.lm import evaluate_loss
+model = AutoModelForCausalLM.from_pretrained("models/final")
+reader = ShardReader("data/shards/val", 64, seed=1234)
+total, count = evaluate_loss(model, reader, micro=2, device=torch.device("cpu"), max_windows=12)
+print(total / count)
+"""
+
+
+def test_exported_model_reproduces_the_final_val_loss(baseline):
+    out = subprocess.run(
+        [sys.executable, "-c", EVAL_EXPORTED], cwd=baseline, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = json.loads((baseline / "metrics/train.json").read_text())
+    assert float(out.stdout.strip().splitlines()[-1]) == pytest.approx(
+        metrics["val_loss"], rel=1e-5
+    )
+    assert (baseline / "models/final/model.safetensors").exists()
+    assert (baseline / "models/final/tokenizer.json").exists()
+
+
+def test_continued_training_from_a_pretrained_checkpoint(prepared, baseline, tmp_path):
+    repo = tmp_path / "continued"
+    proc = trained_copy(
+        prepared,
+        repo,
+        {
+            "model": {"pretrained": str(baseline / "models/final")},
+            "train": {"gpus": 1, "max_steps": 3, "micro_batch": 6},
+        },
+    )
+    assert proc.returncode == 0
+    first = losses(repo)[1]
+    # It starts where the baseline ended, far below a fresh model's first loss.
+    assert first < losses(baseline)[1] - 1.0

@@ -1,0 +1,124 @@
+"""Mistakes in a training request fail before launch, in one line that shows the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import dsflow, update_params
+from dsflow import dsconfig, train
+from dsflow.errors import UsageError
+
+
+def test_the_classic_inconsistent_batch_fails_with_the_numbers_and_a_fix():
+    with pytest.raises(UsageError) as exc:
+        dsconfig.resolve_batch(16, 4, 64, 3)
+    msg = str(exc.value)
+    assert "64" in msg and "16 x grad_accum 4 x 3" in msg and "192" in msg
+    assert "set global_batch: 192" in msg
+
+
+@pytest.mark.parametrize(
+    "micro, accum, global_batch, world, expect",
+    [
+        (16, 4, None, 3, (16, 4)),
+        (16, None, 96, 3, (16, 2)),
+        (None, 2, 96, 3, (16, 2)),
+        (16, 4, 192, 3, (16, 4)),
+    ],
+)
+def test_any_two_determine_the_third(micro, accum, global_batch, world, expect):
+    b = dsconfig.resolve_batch(micro, accum, global_batch, world)
+    assert (b.micro, b.accum) == expect and b.global_batch == b.micro * b.accum * world
+
+
+def test_global_batch_not_divisible():
+    with pytest.raises(UsageError, match="not a multiple of micro_batch 16 x 3 rank"):
+        dsconfig.resolve_batch(16, None, 100, 3)
+
+
+def test_fewer_than_two_given():
+    with pytest.raises(UsageError, match="at least two"):
+        dsconfig.resolve_batch(None, None, 64, 3)
+
+
+def _fake_cuda(monkeypatch, n):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_too_many_gpus_is_an_error_not_a_fallback(monkeypatch):
+    _fake_cuda(monkeypatch, 2)
+    base = {"device": "auto", "gpus": 3}
+    with pytest.raises(UsageError, match="3 GPUs requested but 2 visible"):
+        train.resolve_device(base)
+    assert train.resolve_device({"device": "auto", "gpus": "auto"}) == ("cuda", 2)
+    assert train.resolve_device({"device": "cpu", "gpus": 3}) == ("cpu", 3)
+    _fake_cuda(monkeypatch, 0)
+    with pytest.raises(UsageError, match="no CUDA GPU is visible"):
+        train.resolve_device({"device": "cuda", "gpus": 1})
+    assert train.resolve_device({"device": "auto", "gpus": 3}) == ("cpu", 3)
+
+
+def test_ds_config_generation_and_user_merge(tmp_path):
+    import json
+
+    from dsflow.params import load
+
+    params = load()
+    t = params["train"]
+    batch = dsconfig.resolve_batch(4, 2, None, 3)
+    cfg = dsconfig.build({**t, "precision": "fp16"}, batch, 100, "cuda")
+    assert cfg["train_batch_size"] == 24 and cfg["fp16"]["loss_scale"] == 0
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == t["zero"]["reduce_bucket_size"]
+    assert cfg["scheduler"]["type"] == "WarmupCosineLR"
+    warm = dsconfig.build({**t, "schedule": {**t["schedule"], "kind": "warmup"}}, batch, 100, "cpu")
+    assert warm["scheduler"]["type"] == "WarmupLR" and warm["optimizer"]["params"]["torch_adam"]
+    user = tmp_path / "ds.json"
+    user.write_text(
+        json.dumps({"zero_optimization": {"reduce_bucket_size": 5}, "train_batch_size": 24})
+    )
+    merged = dsconfig.merge_user(cfg, user)
+    assert merged["zero_optimization"]["reduce_bucket_size"] == 5
+    assert merged["zero_optimization"]["stage"] == 2
+    user.write_text(json.dumps({"train_batch_size": 64}))
+    with pytest.raises(UsageError, match="train_batch_size 64 differs from params.yaml's 24"):
+        dsconfig.merge_user(cfg, user)
+    user.write_text("{not json")
+    with pytest.raises(UsageError, match="invalid JSON at line 1"):
+        dsconfig.merge_user(cfg, user)
+
+
+def test_stage_refuses_bad_requests_before_launch(prepared, tmp_path):
+    import shutil
+
+    repo = tmp_path / "bad"
+    shutil.copytree(prepared, repo)
+    update_params(
+        repo, {"train": {"device": "cpu", "micro_batch": 16, "grad_accum": 4, "global_batch": 64}}
+    )
+    proc = dsflow("train", cwd=repo, check=False)
+    assert proc.returncode == 2
+    assert "global_batch 64 != micro_batch 16 x grad_accum 4 x 3 rank(s) = 192" in proc.stderr
+    assert not (repo / "checkpoints").exists()
+
+    update_params(repo, {"train": {"global_batch": None, "device": "cuda"}})
+    proc = dsflow("train", cwd=repo, check=False)
+    assert proc.returncode == 2 and "no CUDA GPU is visible" in proc.stderr
+
+
+def test_vocab_mismatch_with_a_pretrained_model(prepared, tmp_path):
+    import shutil
+
+    from dsflow.model import build_model, model_config
+
+    ckpt = tmp_path / "other_vocab"
+    build_model(model_config("tiny", 999), device_type="cpu").save_pretrained(ckpt)
+    repo = tmp_path / "mismatch"
+    shutil.copytree(prepared, repo)
+    update_params(repo, {"train": {"device": "cpu"}, "model": {"pretrained": str(ckpt)}})
+    proc = dsflow("train", cwd=repo, check=False)
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "vocab_size 999" in line and "384" in line and "tokenizer" in line

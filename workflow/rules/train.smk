@@ -1,0 +1,22 @@
+# Training: DeepSpeed data-parallel ranks started by `python -m dsflow train`.
+# checkpoints/ and dvclive/ are deliberately not outputs: Snakemake deletes a job's outputs before
+# it runs, and these two must survive so a rerun resumes (DVC marks them persist: true).
+
+
+rule train:
+    input:
+        code("train", "worker", "model", "balance", "flops", "dsconfig", "lm", "checkpoint"),
+        "data/shards",
+        "data/tokenizer",
+    output:
+        directory("models/final"),
+        "metrics/train.json",
+    params:
+        **P("seed", "model", "train"),
+    resources:
+        gpus=train_gpus(),
+    threads: os.cpu_count() or 1  # Snakemake caps this at --cores
+    log:
+        "logs/train.log",
+    shell:
+        "python -m dsflow train"
