@@ -47,19 +47,23 @@ def test_dvc_repro_then_snakemake_and_dvc_are_up_to_date(tmp_path):
     assert snakemake_jobs(repo, "shard") == set()
     second = run(["dvc", "repro", "shard"], cwd=repo)
     assert dvc_ran(second.stdout) == set()
-    assert "up to date" in run(["dvc", "status"], cwd=repo).stdout
+    assert "up to date" in run(["dvc", "status", "--with-deps", "shard"], cwd=repo).stdout
 
     update_params(repo, {"tokenizer": {"vocab_size": 400}})
-    status = run(["dvc", "status"], cwd=repo).stdout
+    status = run(["dvc", "status", "--with-deps", "shard"], cwd=repo).stdout
     changed = set(re.findall(r"^(\w+):", status, flags=re.M))
     assert changed == {"tokenizer"}  # DVC reports the direct change; repro cascades
     third = run(["dvc", "repro", "shard"], cwd=repo)
     assert dvc_ran(third.stdout) == {"tokenizer", "tokenize", "shard"}
 
-    # Same inputs and params again: byte-identical outputs, so the cascade stops at once.
+    # Back to the first params: DVC's run cache restores the outputs without running...
     update_params(repo, {"tokenizer": {"vocab_size": SMALL_PARAMS["tokenizer"]["vocab_size"]}})
     fourth = run(["dvc", "repro", "shard"], cwd=repo)
-    assert dvc_ran(fourth.stdout) == {"tokenizer", "tokenize", "shard"}
+    assert dvc_ran(fourth.stdout) == set() and "cached" in fourth.stdout
+    assert {p.name: p.read_bytes() for p in (repo / "data/shards/train").iterdir()} == digests
+    # ...and really running the stages again gives byte-identical outputs.
+    fifth = run(["dvc", "repro", "--no-run-cache", "--force", "shard"], cwd=repo)
+    assert dvc_ran(fifth.stdout) == set(DATA_STAGES)
     assert {p.name: p.read_bytes() for p in (repo / "data/shards/train").iterdir()} == digests
 
 
@@ -87,3 +91,38 @@ def test_overlay_reaches_the_stage_through_snakemake(tmp_path):
     manifest = json.loads((repo / "data/raw/manifest.json").read_text())
     assert manifest["splits"]["train"]["docs"] + manifest["splits"]["val"]["docs"] == 123
     shutil.rmtree(repo / "data/raw")
+
+
+TINY_TRAIN = {
+    "model": {"preset": "tiny"},
+    "train": {
+        "device": "cpu",
+        "gpus": 2,
+        "precision": "fp32",
+        "seq_len": 64,
+        "micro_batch": 2,
+        "max_steps": 3,
+        "eval_every": 3,
+        "eval_batches": 1,
+        "checkpoint_every": 3,
+    },
+}
+
+
+def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
+    repo = git_dvc_repo(tmp_path / "dvc")
+    update_params(repo, TINY_TRAIN)
+    out = run(["dvc", "repro", "train"], cwd=repo)
+    assert dvc_ran(out.stdout) == {*DATA_STAGES, "train"}
+    assert (repo / "models/final/config.json").exists()
+    assert dvc_ran(run(["dvc", "repro", "train"], cwd=repo).stdout) == set()
+    shown = run(["dvc", "metrics", "show"], cwd=repo).stdout
+    assert "metrics/train.json" in shown and "val_loss" in shown
+
+    snake = copy_project(tmp_path / "snake")
+    update_params(snake, SMALL_PARAMS)
+    update_params(snake, TINY_TRAIN)
+    run(["snakemake", "--cores", "all", "train"], cwd=snake)
+    assert (snake / "models/final/model.safetensors").exists()
+    assert (snake / "logs/train.log").exists()
+    assert snakemake_jobs(snake, "train") == set()
