@@ -181,10 +181,7 @@ def main() -> int:
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=ds_config,
     )
-    # DeepSpeed casts the whole module (buffers too) to bf16/fp16: the router biases must stay
-    # fp32 or the balancer's small steps vanish in rounding.
-    for _, router in balancer.routers:
-        router.e_score_correction_bias.data = router.e_score_correction_bias.data.float()
+    # DeepSpeed broadcasts parameters at start-up, not buffers: give every rank rank 0's biases.
     balancer.sync_bias()
 
     start = 0

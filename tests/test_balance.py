@@ -1,0 +1,349 @@
+"""Auxiliary-loss-free expert balancing and the sequence-wise aux loss (dsflow.balance)."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsflow.balance import ExpertBalancer, aggregate_stats, load_stats
+from dsflow.model import build_model, model_config
+
+V, T, B = 2048, 128, 8
+
+
+def _tiny(seed=0, vocab=V, **overrides):
+    torch.manual_seed(seed)
+    return build_model(model_config("tiny", vocab, overrides or None), device_type="cpu")
+
+
+def _chain_batch(gen, perm, batch=B, seq=T):
+    """Deterministic bigram data (x[t+1] = perm[x[t]]): learnable, and it keeps the hidden
+    states token-specific (uniform random tokens make them collapse to a constant)."""
+    x = torch.empty(batch, seq, dtype=torch.long)
+    x[:, 0] = torch.randint(0, perm.numel(), (batch,), generator=gen)
+    for t in range(1, seq):
+        x[:, t] = perm[x[:, t - 1]]
+    return x
+
+
+# --------------------------------------------------------------------------- stats math
+
+
+def test_stats_uniform_and_one_hot():
+    uniform = load_stats([10, 10, 10, 10])
+    assert uniform["max_over_mean"] == pytest.approx(1.0)
+    assert uniform["entropy"] == pytest.approx(1.0)
+    assert uniform["load"] == [10, 10, 10, 10] and uniform["tokens"] == 40
+    one_hot = load_stats(torch.tensor([0, 12, 0, 0]))
+    assert one_hot["max_over_mean"] == pytest.approx(4.0)
+    assert one_hot["entropy"] == pytest.approx(0.0)
+    half = load_stats([5, 5, 0, 0])
+    assert half["max_over_mean"] == pytest.approx(2.0)
+    assert half["entropy"] == pytest.approx(math.log(2) / math.log(4))
+    empty = load_stats([0, 0, 0])
+    assert empty["max_over_mean"] is None and empty["entropy"] is None
+
+
+def test_aggregate_over_layers():
+    agg = aggregate_stats({1: load_stats([1, 1]), 2: load_stats([2, 0]), 3: load_stats([0, 0])})
+    assert agg["max_over_mean"] == pytest.approx(1.5)  # mean of 1.0 and 2.0; empty layer skipped
+    assert agg["max_over_mean_worst"] == pytest.approx(2.0)
+    assert agg["entropy_min"] == pytest.approx(0.0)
+    assert agg["entropy_mean"] == pytest.approx(0.5)
+    assert set(agg["layers"]) == {1, 2, 3}
+
+
+# --------------------------------------------------------------------------- hooks and updates
+
+
+def test_finds_moe_layers_and_counts_topk_in_training_only():
+    model = _tiny(vocab=256)
+    bal = ExpertBalancer(model, gamma=0.0)
+    assert bal.layers == [1, 2, 3] and bal.n_experts == 8
+    ids = torch.randint(0, 256, (2, 32))
+    model.eval()
+    with torch.no_grad():
+        model(ids)
+    assert int(bal.counts().sum()) == 0  # eval: not counted
+    model.train()
+    model(ids)
+    model(ids)  # two micro-batches accumulate
+    counts = bal.counts()
+    assert counts.dtype == torch.int64
+    assert counts.sum(-1).tolist() == [2 * 2 * 32 * 2] * 3  # micro-batches x tokens x top-2
+    stats = bal.update()
+    assert [s["tokens"] for s in stats["layers"].values()] == [256, 256, 256]
+    assert int(bal.counts().sum()) == 0  # reset after update
+
+
+def test_collecting_counts_in_eval_separately():
+    model = _tiny(vocab=256)
+    bal = ExpertBalancer(model, gamma=0.5)
+    ids = torch.randint(0, 256, (2, 16))
+    model.train()
+    model(ids)
+    model.eval()
+    with torch.no_grad(), bal.collecting():
+        model(ids)
+        model(ids)
+    ev = bal.eval_stats()
+    assert [s["tokens"] for s in ev["layers"].values()] == [2 * 2 * 16 * 2] * 3
+    assert [s["tokens"] for s in bal.update()["layers"].values()] == [2 * 16 * 2] * 3
+    assert bal.eval_stats()["max_over_mean"] is None  # reset
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_recompute_is_not_counted(reentrant):
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    counts, grads = [], []
+    for checkpointing in (False, True):
+        model = _tiny(vocab=256).train()
+        if checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": reentrant})
+        bal = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
+        if checkpointing and reentrant:  # forward under no_grad: no aux loss possible, warned
+            with pytest.warns(UserWarning, match="reentrant"):
+                out = model(input_ids=ids, labels=ids)
+        else:
+            out = model(input_ids=ids, labels=ids)
+        (out.loss + bal.aux_loss()).backward()
+        assert bal._aux == []  # the recomputation stashed nothing
+        counts.append(bal.counts())
+        grads.append(torch.cat([r.weight.grad.flatten() for _, r in bal.routers]))
+    assert torch.equal(counts[0], counts[1])
+    if not reentrant:  # the aux loss reaches the routers through the checkpointed layers
+        torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_bias_update_direction():
+    model = _tiny(vocab=256).train()
+    gamma = 0.05
+    bal = ExpertBalancer(model, gamma=gamma)
+    routers = [r for _, r in bal.routers]
+    with torch.no_grad():
+        for r in routers:
+            r.e_score_correction_bias[3] = 1.0  # every token picks expert 3: overloaded
+    model(torch.randint(0, 256, (2, 32)))
+    counts = bal.counts().double()
+    stats = bal.update()
+    for i, r in enumerate(routers):
+        load = counts[i]
+        assert load[3] == load.max() == 64  # all 64 tokens
+        expected = torch.where(
+            load > load.mean(), -gamma, torch.where(load < load.mean(), gamma, 0.0)
+        )
+        expected[3] += 1.0
+        torch.testing.assert_close(r.e_score_correction_bias, expected.float())
+        assert r.e_score_correction_bias[3] == pytest.approx(1.0 - gamma)
+        assert r.e_score_correction_bias.dtype == torch.float32
+    assert stats["max_over_mean"] >= 4.0 - 1e-9  # 1/2 of all assignments on one of 8 experts
+    assert stats["bias_abs_max"] == pytest.approx(1.0 - gamma)
+
+
+def test_gamma_zero_reports_stats_without_moving_bias():
+    model = _tiny(vocab=256).train()
+    bal = ExpertBalancer(model, gamma=0.0)
+    model(torch.randint(0, 256, (2, 32)))
+    stats = bal.update()
+    assert stats["max_over_mean"] >= 1.0 and 0 < stats["entropy_min"] <= 1.0
+    for _, r in bal.routers:
+        assert torch.count_nonzero(r.e_score_correction_bias) == 0
+
+
+def test_bias_upcast_to_fp32_when_model_was_cast():
+    model = _tiny(vocab=256).to(torch.bfloat16)
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.bfloat16
+    bal = ExpertBalancer(model, gamma=1e-3)
+    for _, r in bal.routers:
+        assert r.e_score_correction_bias.dtype == torch.float32
+    model.train()
+    model(torch.randint(0, 256, (1, 16)))  # bf16 forward still works with the fp32 bias
+    bal.update()
+
+
+def test_dense_model_is_a_no_op():
+    model = _tiny(vocab=256, first_k_dense_replace=4)
+    bal = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=0.1)
+    model.train()
+    model(torch.randint(0, 256, (1, 8)))
+    assert bal.update()["max_over_mean"] is None
+    assert float(bal.aux_loss()) == 0.0
+
+
+# --------------------------------------------------------------------------- sequence-wise aux loss
+
+
+def _expected_seq_aux(logits, topk, batch, n_exp, k):
+    """Eqs. 17-20 of the DeepSeek-V3 paper, written out with loops."""
+    scores = logits.sigmoid().view(batch, -1, n_exp)
+    seq = scores.shape[1]
+    topk = topk.view(batch, seq, k)
+    total = 0.0
+    for b in range(batch):
+        loss_b = 0.0
+        for i in range(n_exp):
+            f_i = n_exp / (k * seq) * float((topk[b] == i).any(-1).sum())
+            p_i = float((scores[b, :, i] / scores[b].sum(-1)).mean())
+            loss_b += f_i * p_i
+        total += loss_b
+    return total / batch
+
+
+def test_seq_aux_loss_value_grad_and_disabled():
+    model = _tiny(vocab=256).train()
+    alpha = 0.01
+    bal = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=alpha)
+    captured = []
+    for _, r in bal.routers:
+        r.register_forward_hook(lambda m, a, o: captured.append((o[0].detach(), o[2])))
+    ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    aux = bal.aux_loss()
+    expected = alpha * sum(_expected_seq_aux(lg, tk, 3, 8, 2) for lg, tk in captured)
+    assert aux.item() == pytest.approx(expected, rel=1e-5)
+    assert aux.item() > 0
+    assert bal.aux_loss().item() == 0.0  # stash cleared
+    (out.loss + aux).backward()
+    for _, r in bal.routers:
+        assert r.weight.grad is not None and r.weight.grad.abs().sum() > 0
+    # The aux loss alone reaches the router weights.
+    model.zero_grad()
+    model(ids)
+    bal.aux_loss().backward()
+    assert all(r.weight.grad.abs().sum() > 0 for _, r in bal.routers)
+
+    model2 = _tiny(vocab=256).train()
+    disabled = ExpertBalancer(model2, seq_aux_alpha=0.0)
+    model2(ids)
+    loss = disabled.aux_loss()
+    assert loss.item() == 0.0 and loss.shape == ()
+
+
+def test_seq_aux_not_stashed_in_eval_or_no_grad():
+    model = _tiny(vocab=256)
+    bal = ExpertBalancer(model, seq_aux_alpha=0.1)
+    ids = torch.randint(0, 256, (2, 8))
+    model.eval()
+    model(ids)
+    model.train()
+    with torch.no_grad(), pytest.warns(UserWarning, match="without autograd"):
+        model(ids)
+    assert bal._aux == [] and bal.aux_loss().item() == 0.0
+
+
+# --------------------------------------------------------------------------- training runs
+
+
+def _train(gamma, *, collapse=False, boost=0.0, steps=40, seed=0):
+    """Train the tiny MoE for ``steps`` with plain AdamW; return (mean max/mean of the last 10
+    steps, eval stats on held-out batches)."""
+    model = _tiny(seed)
+    bal = ExpertBalancer(model, gamma=gamma)
+    gen = torch.Generator().manual_seed(1)
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(7))
+    if boost:
+        # Bend experts 0 and 1 towards the mean router input: most tokens pick them. The router
+        # weights are then frozen so the LM gradient cannot undo it (which it does quickly).
+        inputs = {}
+
+        def grab(module, args, output):
+            inputs[module] = args[0].detach().reshape(-1, args[0].shape[-1])
+
+        handles = [r.register_forward_hook(grab) for _, r in bal.routers]
+        with torch.no_grad():
+            model(_chain_batch(gen, perm))
+        for h in handles:
+            h.remove()
+        for _, r in bal.routers:
+            x = inputs[r]
+            d = x.mean(0) / x.mean(0).norm()
+            with torch.no_grad():
+                r.weight[:2] += boost * d / (x @ d).mean()
+            r.weight.requires_grad_(False)
+    if collapse:
+        # A collapsed router: experts 0 and 1 win every token (scores are sigmoids in (0, 1)).
+        with torch.no_grad():
+            for _, r in bal.routers:
+                r.e_score_correction_bias[:2] += 0.5
+    bal.reset()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model.train()
+    history = []
+    for _ in range(steps):
+        x = _chain_batch(gen, perm)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append(bal.update()["max_over_mean"])
+    model.eval()
+    with torch.no_grad(), bal.collecting():
+        model(torch.cat([_chain_batch(gen, perm), _chain_batch(gen, perm)]))
+    return sum(history[-10:]) / 10, bal.eval_stats()
+
+
+def test_balancing_repairs_collapsed_routing():
+    without_train, without = _train(0.0, collapse=True)
+    with_train, balanced = _train(0.01, collapse=True)
+    assert without["max_over_mean"] == pytest.approx(4.0)  # stays collapsed
+    assert without_train == pytest.approx(4.0)
+    assert balanced["max_over_mean"] < 0.5 * without["max_over_mean"]
+    assert with_train < 0.5 * without_train
+    assert balanced["entropy_min"] > without["entropy_min"] + 0.4
+
+
+def test_balancing_counters_perturbed_router_weights():
+    without_train, without = _train(0.0, boost=8.0)
+    with_train, balanced = _train(0.01, boost=8.0)
+    assert without["max_over_mean"] > 1.6  # the perturbation persists without balancing
+    assert balanced["max_over_mean"] < 0.8 * without["max_over_mean"]
+    assert with_train < 0.8 * without_train
+    assert balanced["entropy_min"] > without["entropy_min"]
+
+
+# --------------------------------------------------------------------------- data parallel
+
+
+def _dp_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = build_model(model_config("tiny", 256), device_type="cpu").train()
+        bal = ExpertBalancer(model, gamma=0.01)
+        if rank == 1:  # diverged start: sync_bias must fix it
+            with torch.no_grad():
+                for _, r in bal.routers:
+                    r.e_score_correction_bias.fill_(0.3)
+        bal.sync_bias()
+        ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(100 + rank))
+        model(ids)  # different data on each rank
+        local = bal.counts()
+        stats = bal.update()
+        biases = [r.e_score_correction_bias.tolist() for _, r in bal.routers]
+        with open(f"{out_dir}/rank{rank}.json", "w") as fh:
+            json.dump(
+                {
+                    "local": local.tolist(),
+                    "load": [s["load"] for s in stats["layers"].values()],
+                    "bias": biases,
+                },
+                fh,
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_all_reduced_counts_and_identical_bias_over_gloo(tmp_path):
+    mp.spawn(_dp_worker, args=(2, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2, join=True)
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    summed = (torch.tensor(r0["local"]) + torch.tensor(r1["local"])).tolist()
+    assert r0["local"] != r1["local"]  # the ranks saw different tokens
+    assert r0["load"] == summed and r1["load"] == summed
+    assert r0["bias"] == r1["bias"]
+    load = torch.tensor(summed, dtype=torch.float64)
+    expected = 0.01 * torch.sign(load.mean(-1, keepdim=True) - load)
+    torch.testing.assert_close(torch.tensor(r0["bias"]), expected.float())

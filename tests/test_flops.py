@@ -1,0 +1,124 @@
+"""Training FLOPs per token, GPU peak table and MFU (dsflow.flops)."""
+
+import pytest
+import torch
+
+from dsflow.flops import GPU_PEAK_TFLOPS, flops_per_token, gpu_key, mfu, peak_flops
+from dsflow.model import PRESETS, model_config
+
+V = 1000
+
+
+def _dense_tiny(**extra):
+    return model_config("tiny", V, {"first_k_dense_replace": 4, **extra})
+
+
+def test_dense_config_by_hand():
+    c = _dense_tiny()
+    H, L, heads, T = 128, 4, 4, 128
+    qk, v, kv_lora, rope, inter = 32 + 16, 32, 32, 16, 384
+    attn_w = H * heads * qk + H * (kv_lora + rope) + kv_lora * heads * (32 + v) + heads * v * H
+    mlp_w = 3 * H * inter
+    matmul = L * (attn_w + mlp_w) + V * H  # + lm_head; embedding lookup and norms excluded
+    expected = 6 * matmul + 6 * L * heads * (qk + v) * T
+    assert flops_per_token(c, T) == expected
+
+
+def test_dense_config_with_q_lora_by_hand():
+    c = _dense_tiny(q_lora_rank=24)
+    H, L, heads = 128, 4, 4
+    q = H * 24 + 24 * heads * 48
+    attn_w = q + H * (32 + 16) + 32 * heads * (32 + 32) + heads * 32 * H
+    matmul = L * (attn_w + 3 * H * 384) + V * H
+    assert flops_per_token(c, 64) == 6 * matmul + 6 * L * heads * (48 + 32) * 64
+
+
+def test_moe_counts_only_topk_experts():
+    base = model_config("tiny", V)
+    H, mi = base.hidden_size, base.moe_intermediate_size
+    n_moe = base.num_hidden_layers - base.first_k_dense_replace
+    # Doubling the routed experts adds only router weights (E x H per MoE layer), no expert FLOPs.
+    more = model_config("tiny", V, {"n_routed_experts": 16})
+    assert flops_per_token(more, 128) - flops_per_token(base, 128) == 6 * n_moe * 8 * H
+    # One more expert per token adds exactly one expert's matmuls per MoE layer.
+    k3 = model_config("tiny", V, {"num_experts_per_tok": 3})
+    assert flops_per_token(k3, 128) - flops_per_token(base, 128) == 6 * n_moe * 3 * H * mi
+    # Shared experts always count.
+    s2 = model_config("tiny", V, {"n_shared_experts": 2})
+    assert flops_per_token(s2, 128) - flops_per_token(base, 128) == 6 * n_moe * 3 * H * mi
+
+
+def test_attention_term_is_linear_in_seq_len_without_causal_discount():
+    c = model_config("tiny", V)
+    per_token = 6 * c.num_hidden_layers * c.num_attention_heads * (48 + 32)
+    assert flops_per_token(c, 256) - flops_per_token(c, 128) == per_token * 128
+
+
+def test_tied_lm_head_still_counts_as_matmul():
+    assert flops_per_token(model_config("tiny", V, {"tie_word_embeddings": True}), 128) == (
+        flops_per_token(model_config("tiny", V), 128)
+    )
+
+
+def test_deepseek_v3_order_of_magnitude():
+    c = model_config("deepseek-v3", PRESETS["deepseek-v3"]["published_vocab_size"])
+    f = flops_per_token(c, 4096)
+    assert 6 * 36e9 < f < 6 * 37e9 + 6 * 61 * 128 * 320 * 4096 * 1.01
+
+
+@pytest.mark.parametrize(
+    "name,dtype,tflops",
+    [
+        ("NVIDIA H200", "bf16", 989.5),
+        ("NVIDIA H200 NVL", "bf16", 835.5),
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.5),
+        ("NVIDIA H100 80GB HBM3", "tf32", 494.5),
+        ("NVIDIA H100 PCIe", "fp16", 756.5),
+        ("NVIDIA H100 NVL", "bfloat16", 835.5),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
+        ("NVIDIA A100 80GB PCIe", torch.bfloat16, 312.0),
+        ("NVIDIA A10G", "bf16", 70.0),
+        ("NVIDIA A10", "bf16", 125.0),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("NVIDIA L40S", "fp16", 362.05),
+        ("NVIDIA GeForce RTX 4090", "fp16", 165.2),
+        ("NVIDIA GeForce RTX 3090", "bf16", 71.0),
+        ("Tesla V100-SXM2-16GB", "fp16", 125.0),
+        ("Tesla V100-PCIE-32GB", "fp16", 112.0),
+        ("NVIDIA B200", "bf16", 2250.0),
+    ],
+)
+def test_peak_lookup(name, dtype, tflops):
+    assert peak_flops(name, dtype) == pytest.approx(tflops * 1e12)
+
+
+def test_peak_none_for_cpu_unknown_and_unsupported():
+    assert peak_flops("cpu", "bf16") is None
+    assert peak_flops("", "bf16") is None
+    assert peak_flops("AMD Instinct MI300X", "bf16") is None
+    assert peak_flops("NVIDIA GeForce RTX 3090 Ti", "bf16") is None  # not in the table
+    assert peak_flops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores
+    assert peak_flops("cpu", "bf16", override_tflops=1.5) == pytest.approx(1.5e12)
+    assert peak_flops("NVIDIA H200", "bf16", override_tflops=500) == pytest.approx(500e12)
+    with pytest.raises(ValueError):
+        peak_flops("NVIDIA H200", "int8")
+
+
+def test_name_patterns_do_not_confuse_neighbours():
+    assert gpu_key("NVIDIA A100-PCIE-40GB") == "A100"
+    assert gpu_key("NVIDIA A10") == "A10"
+    assert gpu_key("NVIDIA L40") == "L40"
+    assert gpu_key("NVIDIA L4") == "L4"
+    assert gpu_key("NVIDIA H100 PCIe") == "H100 PCIe"
+    assert gpu_key("Tesla V100S-PCIE-32GB") == "V100S"
+    for key, row in GPU_PEAK_TFLOPS.items():
+        assert set(row) == {"bf16", "fp16", "tf32", "fp32"}, key
+
+
+def test_mfu():
+    assert mfu(1000.0, 6e9, 1e13) == pytest.approx(0.6)
+    assert mfu(1000.0, 6e9, None) is None
+    c = model_config("tiny", V)
+    peak = peak_flops("NVIDIA H200", "bf16")
+    assert 0 < mfu(1e6, flops_per_token(c, 128), peak) < 1

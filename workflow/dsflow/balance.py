@@ -1,0 +1,295 @@
+"""Expert load balancing for HF ``DeepseekV3ForCausalLM`` training.
+
+Hugging Face ships DeepSeek-V3's router (``DeepseekV3TopkRouter``) with the
+``e_score_correction_bias`` buffer used for routing but never updated, and no auxiliary
+loss. :class:`ExpertBalancer` adds DeepSeek-V3's training-time balancing (paper section 2.1.2):
+
+- auxiliary-loss-free balancing: after every optimizer step, each router's bias moves by
+  ``gamma * sign(mean_load - load)`` -- up for underloaded experts, down for overloaded
+  ones -- from the step's token counts summed over all micro-batches and data-parallel
+  ranks (so the update is identical everywhere);
+- optionally the complementary sequence-wise auxiliary loss (eqs. 17-20), ``seq_aux_alpha``.
+
+Dtypes: the bias must stay fp32 (small ``gamma`` steps vanish in bf16). HF keeps it fp32 in
+``from_pretrained`` (``_keep_in_fp32_modules_strict``) but ``from_config(dtype=bf16)`` and
+``model.to(bf16)`` cast it; the balancer upcasts it back when attached. DeepSpeed 0.19's
+bf16/fp16 engines cast parameters only: buffers keep their dtype unless ``buffer_dtype`` is
+configured, and even then ``_keep_in_fp32_modules_strict`` buffers stay fp32
+(``deepspeed/runtime/keep_in_fp32.py``). DeepSpeed broadcasts parameters, not buffers, at
+start-up: ranks start with equal biases only when they load the same weights (fresh init
+zeros them); :meth:`ExpertBalancer.sync_bias` broadcasts them explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward pass: then a forward is an activation-
+    checkpointing recomputation and must not be counted twice."""
+    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task_id is not None and graph_task_id() != -1
+
+
+def load_stats(load: Any) -> dict[str, Any]:
+    """Balance statistics of one layer's per-expert token counts.
+
+    ``max_over_mean``: max load / mean load (1.0 = perfectly even, ``n_experts`` = all tokens on
+    one expert). ``entropy``: entropy of the load distribution / log(n_experts) (1.0 = even,
+    0.0 = one expert). ``load``: the counts. Both ratios are None when no token was counted.
+    """
+    counts = torch.as_tensor(load, dtype=torch.float64).flatten().cpu()
+    n = counts.numel()
+    total = float(counts.sum())
+    stats: dict[str, Any] = {
+        "tokens": int(round(total)),
+        "load": [int(c) if float(c).is_integer() else float(c) for c in counts.tolist()],
+    }
+    if total <= 0 or n == 0:
+        stats.update(max_over_mean=None, entropy=None)
+        return stats
+    p = counts / total
+    nz = p[p > 0]
+    entropy = float(-(nz * nz.log()).sum())
+    stats["max_over_mean"] = float(counts.max() / (total / n))
+    stats["entropy"] = entropy / math.log(n) if n > 1 else 1.0
+    return stats
+
+
+def aggregate_stats(per_layer: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per-layer stats plus aggregates over the layers that saw tokens: ``max_over_mean``
+    (mean over layers), ``max_over_mean_worst`` (max), ``entropy_min`` and ``entropy_mean``."""
+    seen = [s for s in per_layer.values() if s["max_over_mean"] is not None]
+    out: dict[str, Any] = {"layers": per_layer}
+    if seen:
+        out["max_over_mean"] = sum(s["max_over_mean"] for s in seen) / len(seen)
+        out["max_over_mean_worst"] = max(s["max_over_mean"] for s in seen)
+        out["entropy_min"] = min(s["entropy"] for s in seen)
+        out["entropy_mean"] = sum(s["entropy"] for s in seen) / len(seen)
+    else:
+        out.update(
+            max_over_mean=None, max_over_mean_worst=None, entropy_min=None, entropy_mean=None
+        )
+    return out
+
+
+def find_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """``(decoder layer index, router)`` of every ``DeepseekV3MoE`` block, in layer order."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, DeepseekV3MoE):
+            match = re.search(r"layers\.(\d+)\.", name + ".")
+            layer = int(match.group(1)) if match else len(found)
+            found.append((layer, module.gate))
+    return found
+
+
+class ExpertBalancer:
+    """DeepSeek-V3 auxiliary-loss-free balancing (+ optional sequence-wise aux loss) for a
+    ``DeepseekV3ForCausalLM``, through forward hooks on its routers.
+
+    Per training step::
+
+        for micro_batch in step:
+            loss = model(**micro_batch).loss + balancer.aux_loss()
+            loss.backward()
+        optimizer.step()
+        stats = balancer.update()   # all-reduce counts, move biases, reset
+
+    Counting happens in training mode only (``router.training``), never during the
+    backward-time recomputation of activation checkpointing. To gather statistics in
+    eval/generation, wrap it in :meth:`collecting` and read :meth:`eval_stats`.
+
+    ``gamma``: bias update speed (DeepSeek-V3 used 0.001, then 0.0 for the last 500B tokens);
+    0 keeps the biases fixed but still reports stats. ``seq_aux_alpha``: weight of the
+    sequence-wise balance loss (DeepSeek-V3: 0.0001); 0 disables it.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, gamma: float = 1e-3, seq_aux_alpha: float = 0.0):
+        if gamma < 0 or seq_aux_alpha < 0:
+            raise ValueError("gamma and seq_aux_alpha must be >= 0")
+        self.gamma = float(gamma)
+        self.seq_aux_alpha = float(seq_aux_alpha)
+        self.routers = find_routers(model)
+        self.layers = [layer for layer, _ in self.routers]
+        self.n_experts = self.routers[0][1].num_experts if self.routers else 0
+        self._counts: torch.Tensor | None = None  # [n_moe_layers, n_experts] int64, training
+        self._eval_counts: torch.Tensor | None = None  # same, while collecting()
+        self._collecting = False
+        self._aux: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (logits, top-k, batch)
+        self._warned_no_grad = False
+        for _, router in self.routers:
+            bias = router.e_score_correction_bias
+            if bias.dtype != torch.float32:
+                bias.data = bias.data.float()
+        self._handles = [
+            router.register_forward_hook(self._make_hook(i), with_kwargs=True)
+            for i, (_, router) in enumerate(self.routers)
+        ]
+
+    # ------------------------------------------------------------------ hooks
+    def _make_hook(self, index: int):
+        def hook(module, args, kwargs, output):
+            self._on_route(index, module, args, kwargs, output)
+
+        return hook
+
+    def _buffer(self, which: str, device: torch.device) -> torch.Tensor:
+        buf = getattr(self, which)
+        if buf is None or buf.device != device:
+            new = torch.zeros(len(self.routers), self.n_experts, dtype=torch.int64, device=device)
+            if buf is not None:
+                new += buf.to(device)
+            setattr(self, which, new)
+            buf = new
+        return buf
+
+    def _on_route(self, index, module, args, kwargs, output) -> None:
+        if _in_backward():
+            return
+        router_logits, _, topk_indices = output
+        if self._collecting or module.training:
+            which = "_eval_counts" if self._collecting else "_counts"
+            with torch.no_grad():
+                counts = torch.bincount(topk_indices.reshape(-1), minlength=self.n_experts)
+                self._buffer(which, counts.device)[index] += counts
+        if self.seq_aux_alpha > 0 and module.training:
+            if not (torch.is_grad_enabled() and router_logits.requires_grad):
+                if self._warned_no_grad:
+                    return
+                self._warned_no_grad = True
+                warnings.warn(
+                    "ExpertBalancer: training-mode forward without autograd (torch.no_grad, or "
+                    "reentrant activation checkpointing): no sequence-wise aux loss for it; use "
+                    "non-reentrant checkpointing (use_reentrant=False) with seq_aux_alpha > 0",
+                    stacklevel=2,
+                )
+                return
+            hidden = args[0] if args else kwargs["hidden_states"]
+            batch = hidden.shape[0] if hidden.dim() == 3 else 1
+            # Only stash: computing the loss here, inside an activation-checkpointed region,
+            # would save tensors that the (skipped) recomputation does not, and the
+            # non-reentrant checkpoint checks that the two match.
+            self._aux.append((router_logits, topk_indices, batch))
+
+    def _seq_aux(self, logits: torch.Tensor, topk: torch.Tensor, batch: int) -> torch.Tensor:
+        """sum_i f_i P_i averaged over the batch's sequences, for one layer (eqs. 18-20)."""
+        n_exp, k = self.n_experts, topk.shape[-1]
+        scores = logits.float().sigmoid().view(batch, -1, n_exp)  # s_{i,t}, with grad
+        seq_len = scores.shape[1]
+        p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # P_i per sequence, [B, E]
+        with torch.no_grad():
+            hits = torch.zeros(batch, n_exp, dtype=scores.dtype, device=scores.device)
+            idx = topk.reshape(batch, seq_len * k)
+            hits.scatter_add_(1, idx, torch.ones_like(idx, dtype=scores.dtype))
+            f = hits * (n_exp / (k * seq_len))  # f_i per sequence, [B, E]
+        return (f * p).sum(-1).mean()
+
+    # ------------------------------------------------------------------ aux loss
+    def aux_loss(self) -> torch.Tensor:
+        """``seq_aux_alpha * sum over MoE layers of the sequence-wise balance loss`` of the
+        forwards since the last call (one micro-batch); a 0 tensor when disabled or empty.
+        Clears the stash: call once per micro-batch, before backward."""
+        if not self._aux:
+            device = self.routers[0][1].weight.device if self.routers else "cpu"
+            return torch.zeros((), device=device)
+        total = torch.stack([self._seq_aux(*item) for item in self._aux]).sum()
+        self._aux = []
+        return total * self.seq_aux_alpha
+
+    # ------------------------------------------------------------------ bias updates
+    def _device(self) -> torch.device:
+        return self.routers[0][1].e_score_correction_bias.device
+
+    def _reduced(self, which: str, group: Any) -> torch.Tensor:
+        counts = self._buffer(which, self._device())
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+        return counts
+
+    def _stats(self, counts: torch.Tensor) -> dict[str, Any]:
+        host = counts.detach().to("cpu", torch.float64)
+        return aggregate_stats({layer: load_stats(host[i]) for i, layer in enumerate(self.layers)})
+
+    def update(self, group: Any = None) -> dict[str, Any]:
+        """End of an optimizer step: all-reduce (SUM) the step's counts over ``group`` when
+        torch.distributed is initialized (every rank must call it), move each router's bias
+        by ``gamma * sign(mean_load - load)`` in place, reset the counts, return the stats
+        (see :func:`aggregate_stats`; ``bias_abs_max`` is the largest |bias| after the update)."""
+        if not self.routers:
+            return aggregate_stats({})
+        counts = self._reduced("_counts", group)
+        if self.gamma > 0:
+            load = counts.to(torch.float64)
+            step = torch.sign(load.mean(-1, keepdim=True) - load) * self.gamma
+            with torch.no_grad():
+                for i, (_, router) in enumerate(self.routers):
+                    bias = router.e_score_correction_bias
+                    bias.add_(step[i].to(device=bias.device, dtype=bias.dtype))
+        stats = self._stats(counts)
+        biases = [r.e_score_correction_bias.detach().abs().max() for _, r in self.routers]
+        stats["bias_abs_max"] = float(torch.stack(biases).max())
+        counts.zero_()
+        return stats
+
+    def sync_bias(self, group: Any = None) -> None:
+        """Broadcast every router bias from the group's first rank (DeepSpeed broadcasts
+        parameters at start-up, not buffers). No-op without torch.distributed."""
+        if not (dist.is_available() and dist.is_initialized()) or not self.routers:
+            return
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        for _, router in self.routers:
+            dist.broadcast(router.e_score_correction_bias, src=src, group=group)
+
+    # ------------------------------------------------------------------ eval statistics
+    @contextmanager
+    def collecting(self) -> Iterator[ExpertBalancer]:
+        """Count routing in any mode (eval, generation, no_grad) into a separate buffer, for
+        :meth:`eval_stats`; training counts are untouched meanwhile."""
+        previous, self._collecting = self._collecting, True
+        try:
+            yield self
+        finally:
+            self._collecting = previous
+
+    def eval_stats(self, group: Any = None, reset: bool = True) -> dict[str, Any]:
+        """Stats of what :meth:`collecting` counted (all-reduced like :meth:`update`), no bias
+        change."""
+        if not self.routers:
+            return aggregate_stats({})
+        counts = self._reduced("_eval_counts", group)
+        stats = self._stats(counts)
+        if reset:
+            counts.zero_()
+        return stats
+
+    # ------------------------------------------------------------------ misc
+    def counts(self) -> torch.Tensor:
+        """The current (local, not yet reduced) training counts, [n_moe_layers, n_experts]."""
+        if not self.routers:
+            return torch.zeros(0, 0, dtype=torch.int64)
+        return self._buffer("_counts", self._device()).clone()
+
+    def reset(self) -> None:
+        for buf in (self._counts, self._eval_counts):
+            if buf is not None:
+                buf.zero_()
+        self._aux = []
+
+    def remove(self) -> None:
+        """Detach the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._aux = []

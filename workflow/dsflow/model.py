@@ -1,0 +1,536 @@
+"""Model presets and construction for DeepSeek-V3-architecture models (MLA + DeepSeekMoE).
+
+Everything here is about the *shape* of the model: the presets, the analytic parameter
+counts (no instantiation, so the published 671B shape can be counted on a laptop), and
+building a Hugging Face ``DeepseekV3ForCausalLM`` from a preset or a checkpoint.
+Training FLOPs live in :mod:`dsflow.flops`, expert load balancing in :mod:`dsflow.balance`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import operator
+import os
+from typing import Any
+
+from dsflow.errors import UsageError
+
+# Keys of a PRESETS entry that are not DeepseekV3Config kwargs.
+_META_KEYS = ("description", "published_vocab_size")
+
+# YaRN long-context RoPE of the published DeepSeek-V2/V3 checkpoints (4K -> 160K).
+_YARN_V3 = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+_YARN_V2 = {**_YARN_V3, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+# Each preset: DeepseekV3Config kwargs (vocab_size excluded: it comes from the tokenizer) plus
+# "description" and, for the published shapes, "published_vocab_size". No preset builds the
+# multi-token-prediction (MTP) module (num_mtp_layers=0; HF builds none in any case).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "description": "CPU tests: 0.6M params + 2 x vocab x 128, 4 layers (1 dense + 3 MoE), 8 experts top-2",
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 512,
+        "num_mtp_layers": 0,
+    },
+    # Counts at a 50,257-token (GPT-2) vocabulary: 700M total, 148M activated (DeepSeek
+    # convention: lm_head in, input embedding out; 187M with it). AdamW in mixed precision
+    # needs ~16 B/param = 11.2 GB for weights + grads + fp32 master/moments: fits one 24 GB GPU
+    # with room for activations (comfortably one 40/80 GB GPU).
+    "small": {
+        "description": "one GPU: ~150M activated / ~700M total (50K vocab), 16 layers, 64 experts top-6",
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 256,
+        "num_hidden_layers": 16,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "q_lora_rank": None,
+        "kv_lora_rank": 256,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 64,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 6,
+        "n_shared_experts": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 4096,
+        "num_mtp_layers": 0,
+    },
+    # ZeRO-2 on 3 x 24 GB with bf16/fp16 + AdamW: every GPU keeps the full 16-bit weights
+    # (2 B/param); 16-bit grads (2 B/param) and fp32 master + 2 Adam moments (12 B/param) are
+    # sharded over the 3 GPUs -> 2 + 14/3 = 6.67 B/param per GPU. At 50,257 vocab this preset
+    # is 1.13B total (225M activated): 1.13e9 * 6.67 B = 7.5 GB per GPU, leaving ~16 GB of the
+    # 24 GB for activations, DeepSpeed's reduce/all-gather buckets and the CUDA context.
+    # (Plain DDP at 16 B/param would need 18 GB before activations.) A 128K vocab adds 2 x 131M.
+    "medium": {
+        "description": "ZeRO-2 on 3x24 GB: ~1.13B total / ~225M activated (50K vocab), 16 layers",
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "moe_intermediate_size": 320,
+        "num_hidden_layers": 16,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 384,
+        "kv_lora_rank": 256,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 64,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 6,
+        "n_shared_experts": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 4096,
+        "num_mtp_layers": 0,
+    },
+    # Published shapes (HF config.json of deepseek-ai/DeepSeek-V2-Lite, DeepSeek-V2, DeepSeek-V3).
+    # DeepSeek-V2(-Lite) route with softmax scores (greedy / group-limited greedy top-k, no
+    # normalisation of the top-k weights); a DeepseekV3Config always routes with sigmoid scores.
+    # The parameter shapes are identical, so these are exact for counting, not for loading V2
+    # weights with V2 behaviour.
+    "deepseek-v2-lite": {
+        "description": "published DeepSeek-V2-Lite shape: 15.7B total / 2.4B activated (softmax routing in reality)",
+        "published_vocab_size": 102400,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 6,
+        "n_shared_experts": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,
+        "max_position_embeddings": 163840,
+        "rope_parameters": _YARN_V2,
+        "num_mtp_layers": 0,
+    },
+    "deepseek-v2": {
+        "description": "published DeepSeek-V2 shape: 236B total / 21B activated (softmax routing in reality)",
+        "published_vocab_size": 102400,
+        "hidden_size": 5120,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_hidden_layers": 60,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 160,
+        "num_experts_per_tok": 6,
+        "n_shared_experts": 2,
+        "n_group": 8,
+        "topk_group": 3,
+        "routed_scaling_factor": 16.0,
+        "norm_topk_prob": False,
+        "max_position_embeddings": 163840,
+        "rope_parameters": _YARN_V2,
+        "num_mtp_layers": 0,
+    },
+    "deepseek-v3": {
+        "description": "published DeepSeek-V3 shape: 671B total / 37B activated (main model, no MTP module)",
+        "published_vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 163840,
+        "rope_parameters": _YARN_V3,
+        "num_mtp_layers": 0,
+    },
+}
+
+
+def _config_fields() -> list[str]:
+    from transformers import DeepseekV3Config
+
+    return sorted(f.name for f in dataclasses.fields(DeepseekV3Config))
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def model_config(
+    preset: str, vocab_size: int, overrides: dict | None = None, **runtime: Any
+) -> Any:
+    """A ``DeepseekV3Config`` for ``preset`` with the tokenizer's ``vocab_size``.
+
+    Precedence: preset < ``runtime`` (what the trainer derives, e.g. token ids, sequence length)
+    < ``overrides`` (what the user asked for explicitly). Keys of both must be DeepseekV3Config
+    fields; ``vocab_size`` can only be given as the argument.
+    """
+    from transformers import DeepseekV3Config
+
+    if preset not in PRESETS:
+        raise UsageError(f"unknown model preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    try:
+        vocab = operator.index(vocab_size)  # int, numpy integers
+    except TypeError:
+        vocab = -1
+    if isinstance(vocab_size, bool) or vocab <= 0:
+        raise UsageError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    allowed = [name for name in _config_fields() if name != "vocab_size"]
+    for source, given in (("model override", overrides or {}), ("runtime setting", runtime)):
+        unknown = sorted(k for k in given if k not in allowed)
+        if unknown:
+            hint = " (vocab_size comes from the tokenizer)" if "vocab_size" in unknown else ""
+            raise UsageError(
+                f"unknown {source} {', '.join(map(repr, unknown))}{hint}; "
+                f"allowed DeepseekV3Config keys: {', '.join(allowed)}"
+            )
+    kwargs = {k: copy.deepcopy(v) for k, v in PRESETS[preset].items() if k not in _META_KEYS}
+    kwargs.update(copy.deepcopy(runtime))
+    kwargs.update(copy.deepcopy(overrides or {}))
+    kwargs["vocab_size"] = vocab
+    try:
+        config = DeepseekV3Config(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - huggingface_hub's strict dataclass validation
+        detail = " ".join(str(exc).split())
+        raise UsageError(f"invalid model config for preset {preset!r}: {detail}") from None
+    _check_shape(config, preset)
+    return config
+
+
+def _check_shape(c: Any, preset: str) -> None:
+    """Catch shape mistakes here with a clear message instead of a reshape error mid-forward."""
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    experts, groups = c.n_routed_experts, c.n_group or 1
+    topk, topk_group = c.num_experts_per_tok, c.topk_group or 1
+    problems = []
+    if heads % kv_heads:
+        problems.append(
+            f"num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}"
+        )
+    if experts % groups:
+        problems.append(f"n_routed_experts {experts} not divisible by n_group {groups}")
+    if topk > experts:
+        problems.append(f"num_experts_per_tok {topk} > n_routed_experts {experts}")
+    if topk_group > groups:
+        problems.append(f"topk_group {topk_group} > n_group {groups}")
+    elif topk > topk_group * (experts // groups):
+        problems.append(
+            f"num_experts_per_tok {topk} > experts in the {topk_group} selected group(s)"
+        )
+    if experts // groups < 2:
+        problems.append("each expert group needs >= 2 experts (the router takes a top-2 per group)")
+    if c.qk_rope_head_dim % 2:
+        problems.append("qk_rope_head_dim must be even")
+    if problems:
+        raise UsageError(f"invalid model config for preset {preset!r}: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------- parameter counts
+
+
+def _dims(config: Any) -> dict[str, int]:
+    L = config.num_hidden_layers
+    n_dense = min(config.first_k_dense_replace or 0, L)
+    return dict(
+        H=config.hidden_size,
+        V=config.vocab_size,
+        L=L,
+        n_dense=n_dense,
+        n_moe=L - n_dense,
+        heads=config.num_attention_heads,
+        qk=config.qk_nope_head_dim + config.qk_rope_head_dim,
+        nope=config.qk_nope_head_dim,
+        rope=config.qk_rope_head_dim,
+        v=config.v_head_dim,
+        kv_lora=config.kv_lora_rank,
+        q_lora=config.q_lora_rank or 0,
+        E=config.n_routed_experts,
+        K=config.num_experts_per_tok,
+        shared=config.n_shared_experts or 0,
+        mi=config.moe_intermediate_size,
+        inter=config.intermediate_size,
+    )
+
+
+def _attention_params(config: Any) -> tuple[int, int]:
+    """(matmul weights, everything else: norms + biases) of one MLA attention block."""
+    d = _dims(config)
+    H, heads, bias = d["H"], d["heads"], bool(config.attention_bias)
+    matmul, other = 0, 0
+    if config.q_lora_rank is None:
+        matmul += H * heads * d["qk"]  # q_proj
+    else:
+        matmul += H * d["q_lora"] + d["q_lora"] * heads * d["qk"]  # q_a_proj, q_b_proj
+        other += d["q_lora"] * (2 if bias else 1)  # q_a_layernorm (+ q_a_proj bias)
+    matmul += H * (d["kv_lora"] + d["rope"])  # kv_a_proj_with_mqa
+    matmul += d["kv_lora"] * heads * (d["nope"] + d["v"])  # kv_b_proj
+    matmul += heads * d["v"] * H  # o_proj
+    other += d["kv_lora"]  # kv_a_layernorm
+    if bias:
+        other += d["kv_lora"] + d["rope"] + H  # kv_a_proj_with_mqa and o_proj biases
+    return matmul, other
+
+
+def _breakdown(config: Any) -> dict[str, int]:
+    """Per-component parameter counts; ``*_act`` entries are what one token touches."""
+    d = _dims(config)
+    H, V = d["H"], d["V"]
+    attn_mm, attn_other = _attention_params(config)
+    expert = 3 * H * d["mi"]  # gate, up (stored fused as gate_up_proj) and down
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return dict(
+        embedding=V * H,
+        lm_head=0 if tied else V * H,
+        lm_head_matmul=V * H,  # the logits matmul happens even when tied to the embedding
+        attention_matmul=d["L"] * attn_mm,
+        attention_other=d["L"] * attn_other,
+        layer_norms=d["L"] * 2 * H + H,  # input + post-attention norms, final norm
+        dense_mlp=d["n_dense"] * 3 * H * d["inter"],
+        shared_experts=d["n_moe"] * d["shared"] * expert,
+        routers=d["n_moe"] * d["E"] * H,
+        routed_experts=d["n_moe"] * d["E"] * expert,
+        routed_experts_act=d["n_moe"] * d["K"] * expert,
+    )
+
+
+def param_counts(config: Any) -> dict[str, int]:
+    """Analytic parameter counts of ``DeepseekV3ForCausalLM(config)`` (nothing is instantiated).
+
+    - ``total``: ``sum(p.numel() for p in model.parameters())`` exactly (tied weights once; the
+      routers' ``e_score_correction_bias`` is a buffer, not a parameter).
+    - ``activated``: the parameters one token's forward pass uses, in the convention that
+      reproduces DeepSeek's published numbers (V3 37B, V2 21B, V2-Lite 2.4B): every
+      attention projection and norm, dense MLPs, shared experts, the top-k routed experts,
+      routers, all RMSNorms and the lm_head -- but NOT the input embedding table, which is a
+      row lookup, not compute. (Counting the embedding too gives 2.66B for V2-Lite, which
+      DeepSeek would have reported as 2.7B; without it 2.45B, published as 2.4B.)
+    - ``activated_with_embedding``: ``activated`` + ``embedding``.
+    - ``activated_non_embedding``: ``activated`` without the lm_head either (no vocab matrix).
+    - ``embedding`` / ``lm_head``: vocab x hidden each; ``lm_head`` is 0 when tied.
+    - ``routed_experts``: all routed-expert weights (mostly not activated by a given token).
+    """
+    b = _breakdown(config)
+    common = (
+        b["attention_matmul"]
+        + b["attention_other"]
+        + b["layer_norms"]
+        + b["dense_mlp"]
+        + b["shared_experts"]
+        + b["routers"]
+    )
+    total = b["embedding"] + b["lm_head"] + common + b["routed_experts"]
+    activated_non_embedding = common + b["routed_experts_act"]
+    # A tied lm_head is the embedding matrix: it is activated (as the output projection).
+    head = b["lm_head"] if b["lm_head"] else b["lm_head_matmul"]
+    return dict(
+        total=total,
+        activated=activated_non_embedding + head,
+        activated_with_embedding=activated_non_embedding + b["embedding"] + b["lm_head"],
+        activated_non_embedding=activated_non_embedding,
+        embedding=b["embedding"],
+        lm_head=b["lm_head"],
+        routed_experts=b["routed_experts"],
+    )
+
+
+def activated_matmul_params(config: Any) -> int:
+    """Weights of the matmuls one token goes through, lm_head included (even when tied to the
+    embedding), embedding lookup, norms and biases excluded. Used by :mod:`dsflow.flops`."""
+    b = _breakdown(config)
+    return (
+        b["attention_matmul"]
+        + b["dense_mlp"]
+        + b["shared_experts"]
+        + b["routers"]
+        + b["routed_experts_act"]
+        + b["lm_head_matmul"]
+    )
+
+
+def _human(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f}M"
+    return f"{n / 1e3:.1f}K"
+
+
+def describe(config: Any) -> str:
+    """One-line human summary of the shape and parameter counts."""
+    d = _dims(config)
+    counts = param_counts(config)
+    q = f"q_lora {config.q_lora_rank}" if config.q_lora_rank else "no q_lora"
+    return (
+        f"{d['L']} layers ({d['n_dense']} dense + {d['n_moe']} MoE), hidden {d['H']}, "
+        f"{d['heads']} heads MLA ({q}, kv_lora {d['kv_lora']}), "
+        f"{d['E']} routed experts top-{d['K']} + {d['shared']} shared (moe_inter {d['mi']}), "
+        f"vocab {d['V']}: {_human(counts['total'])} total, {_human(counts['activated'])} activated "
+        f"({_human(counts['activated_non_embedding'])} non-embedding)"
+    )
+
+
+# --------------------------------------------------------------------------- building
+
+
+def experts_implementation_for(device_type: str) -> str:
+    """``grouped_mm`` on CUDA (torch grouped GEMM, SM80+), ``eager`` (per-expert loop) elsewhere.
+
+    transformers 5.x picks ``grouped_mm`` by default for every device when the Experts class is
+    decorated with ``@use_experts_implementation`` (DeepseekV3Experts is), falling back to a
+    python-loop kernel at call time when the device cannot run it; we choose explicitly.
+    """
+    return "grouped_mm" if device_type == "cuda" else "eager"
+
+
+def _ensure_fp32_router_bias(model: Any) -> None:
+    """Keep every router's ``e_score_correction_bias`` in fp32.
+
+    HF lists it in ``_keep_in_fp32_modules_strict`` but only ``from_pretrained`` honours that:
+    ``from_config(dtype=bf16)`` creates the buffer in bf16 (the default dtype during init).
+    A bf16 bias would swallow the balancer's small ``gamma`` steps.
+    """
+    import torch
+
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias") and buf.dtype != torch.float32:
+            buf.data = buf.data.float()
+
+
+def build_model(
+    config: Any, *, device_type: str, pretrained: str | None = None, dtype: Any = None
+) -> Any:
+    """A ``DeepseekV3ForCausalLM`` on CPU: fresh from ``config`` or loaded from ``pretrained``.
+
+    Fresh init is deterministic given ``torch.manual_seed``. With ``pretrained`` (a local
+    directory written by ``save_pretrained``) the checkpoint's own architecture is used; its
+    vocab_size must equal ``config.vocab_size`` (the tokenizer's). ``config`` is not mutated.
+    ``dtype`` None means fp32 weights in both cases (transformers 5 would otherwise load a
+    checkpoint in its saved dtype, e.g. bf16, leaving the optimizer without fp32 weights);
+    DeepSpeed casts to bf16/fp16 itself. Like HF, a fresh model is in train mode, a loaded
+    one in eval mode.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    if isinstance(dtype, str):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
+            dtype, getattr(torch, dtype, None)
+        )
+    kwargs: dict[str, Any] = dict(
+        attn_implementation="sdpa", experts_implementation=experts_implementation_for(device_type)
+    )
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    elif pretrained is not None:
+        kwargs["dtype"] = torch.float32
+
+    if pretrained is None:
+        # _from_config mutates the config it is given (dtype, implementations): use a copy.
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
+    else:
+        ck_config = _load_checkpoint_config(pretrained)
+        if ck_config.vocab_size != config.vocab_size:
+            raise UsageError(
+                f"checkpoint {pretrained} has vocab_size {ck_config.vocab_size} but the tokenizer "
+                f"has {config.vocab_size}: use the tokenizer the checkpoint was trained with "
+                "(or resize the checkpoint's embeddings and save it again)"
+            )
+        try:
+            model = DeepseekV3ForCausalLM.from_pretrained(pretrained, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError, shape errors...
+            detail = " ".join(str(exc).split())
+            raise UsageError(
+                f"cannot load pretrained checkpoint {pretrained}: {type(exc).__name__}: {detail}"
+            ) from None
+    if not isinstance(model.config, DeepseekV3Config):  # pragma: no cover - AutoModel guard
+        raise UsageError(f"expected a DeepSeek-V3 model, got {type(model).__name__}")
+    _ensure_fp32_router_bias(model)
+    return model
+
+
+def _load_checkpoint_config(pretrained: str) -> Any:
+    from transformers import DeepseekV3Config
+
+    if not os.path.isdir(pretrained):
+        raise UsageError(
+            f"pretrained checkpoint {pretrained!r} is not a directory "
+            "(expected a save_pretrained() output with config.json and *.safetensors)"
+        )
+    cfg_path = os.path.join(pretrained, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise UsageError(f"pretrained checkpoint {pretrained!r} has no config.json")
+    try:
+        with open(cfg_path) as fh:
+            model_type = json.load(fh).get("model_type")
+        if model_type != "deepseek_v3":
+            raise UsageError(
+                f"pretrained checkpoint {pretrained!r} has model_type {model_type!r}; "
+                "dsflow trains 'deepseek_v3' models only"
+            )
+        return DeepseekV3Config.from_pretrained(pretrained)
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - bad JSON, strict-dataclass validation, ...
+        detail = " ".join(str(exc).split())
+        raise UsageError(
+            f"cannot read config of pretrained checkpoint {pretrained!r}: {detail}"
+        ) from None
