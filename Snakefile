@@ -12,9 +12,15 @@ configfile: "params.yaml"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
     default_target: True
     input:
-        rules.train.output,
+        rules.report.output,
+
+
+onsuccess:
+    if os.path.exists("reports/report.html"):
+        print(f"dsflow: report at {os.path.abspath('reports/report.html')}")

@@ -116,8 +116,29 @@ def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
     assert dvc_ran(out.stdout) == {*DATA_STAGES, "train"}
     assert (repo / "models/final/config.json").exists()
     assert dvc_ran(run(["dvc", "repro", "train"], cwd=repo).stdout) == set()
+
+    # The whole DAG, committed; then a second run with other params, and DVC compares them.
+    update_params(repo, {"evaluate": {"max_windows": 20, "max_new_tokens": 8}})
+    out = run(["dvc", "repro"], cwd=repo)
+    assert dvc_ran(out.stdout) == {"evaluate", "report"}
     shown = run(["dvc", "metrics", "show"], cwd=repo).stdout
-    assert "metrics/train.json" in shown and "val_loss" in shown
+    assert "metrics/train.json" in shown and "bits_per_byte" in shown
+    run(["git", "add", "-A"], cwd=repo)
+    run(["git", "commit", "-qm", "run 1"], cwd=repo)
+    update_params(repo, {"train": {"optimizer": {"lr": 0.001}}})
+    out = run(["dvc", "repro"], cwd=repo)
+    assert dvc_ran(out.stdout) == {"train", "evaluate", "report"}
+    run(["git", "add", "-A"], cwd=repo)
+    run(["git", "commit", "-qm", "run 2"], cwd=repo)
+    diff = run(["dvc", "metrics", "diff", "HEAD~1", "HEAD"], cwd=repo).stdout
+    for metric in ("val_loss", "bits_per_byte", "train_loss"):
+        assert metric in diff
+    params_diff = run(["dvc", "params", "diff", "HEAD~1", "HEAD"], cwd=repo).stdout
+    assert "train.optimizer.lr" in params_diff
+    plots = run(["dvc", "plots", "diff", "HEAD~1", "HEAD", "-o", str(tmp_path / "plots")], cwd=repo)
+    assert (tmp_path / "plots/index.html").exists(), plots.stdout
+    report = (repo / "reports/report.md").read_text()
+    assert "| train.optimizer.lr | 0.003 | 0.001 |" in report  # compared with run 1
 
     snake = copy_project(tmp_path / "snake")
     update_params(snake, SMALL_PARAMS)

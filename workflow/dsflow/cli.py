@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
 
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
@@ -18,6 +19,8 @@ STAGES = {
     "tokenize": "dsflow.tokenize",
     "shard": "dsflow.shard",
     "train": "dsflow.train",
+    "evaluate": "dsflow.evaluate",
+    "report": "dsflow.report",
 }
 
 
@@ -63,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(params, sort_keys=False), end="")
             return 0
-        from dsflow.progress import setup_logging
+        from dsflow.progress import log, setup_logging
 
         setup_logging(args.stage)
+        start = time.perf_counter()
         importlib.import_module(STAGES[args.stage]).run(params)
+        log.info("finished, wall_s=%.1f", time.perf_counter() - start)
     except UsageError as e:
         print(f"dsflow {args.stage}: error: {e}", file=sys.stderr)
         return 2

@@ -12,9 +12,11 @@ from tqdm import tqdm
 log = logging.getLogger("dsflow")
 
 
-def bar(iterable=None, *, desc: str, total: int | None = None, unit: str = "it", **kw):
+def bar(
+    iterable=None, *, desc: str, total: int | None = None, unit: str = "it", disable=False, **kw
+):
     """A tqdm bar on stderr; DSFLOW_PROGRESS=0 turns bars off (e.g. in CI logs)."""
-    disable = os.environ.get("DSFLOW_PROGRESS", "1") == "0"
+    disable = disable or os.environ.get("DSFLOW_PROGRESS", "1") == "0"
     return tqdm(
         iterable,
         desc=desc,
@@ -29,7 +31,7 @@ def bar(iterable=None, *, desc: str, total: int | None = None, unit: str = "it",
     )
 
 
-def setup_logging(stage: str, log_dir: str | Path = "logs") -> None:
+def setup_logging(stage: str, log_dir: str | Path = "logs", append: bool = False) -> None:
     """Messages go to stderr and to logs/<stage>.log (the log file Snakemake declares)."""
     if os.environ.get("DSFLOW_PROGRESS", "1") == "0":
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -42,6 +44,6 @@ def setup_logging(stage: str, log_dir: str | Path = "logs") -> None:
     log.addHandler(console)
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    file_handler = logging.FileHandler(log_dir / f"{stage}.log", mode="w")
+    file_handler = logging.FileHandler(log_dir / f"{stage}.log", mode="a" if append else "w")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     log.addHandler(file_handler)

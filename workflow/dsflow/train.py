@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -101,9 +102,16 @@ def plan_run(params: dict) -> dict:
     }
 
 
+def free_port() -> int:
+    """A port nothing listens on now, so two runs on one machine do not collide."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch_command(plan: dict) -> list[str]:
     train = plan["params"]["train"]
-    world, port = plan["world"], str(train["master_port"])
+    world, port = plan["world"], str(train["master_port"] or free_port())
     if train["launcher"] == "deepspeed":
         return [
             sys.executable,

@@ -308,7 +308,16 @@ def main() -> int:
         if logger:
             logger.close()
         export(engine.module)
-        write_metrics(history, plan, counts, val_loss, loss_value, time.perf_counter() - wall0)
+        hardware = {
+            "device_name": device_name,
+            "zero_stage": ds_config["zero_optimization"]["stage"],
+            "precision": train["precision"],
+        }
+        if device_type == "cuda":
+            hardware["gpu_memory_gb"] = torch.cuda.get_device_properties(device).total_memory / 1e9
+        write_metrics(
+            history, plan, counts, val_loss, loss_value, time.perf_counter() - wall0, hardware
+        )
     dist.barrier()
     return 0
 
@@ -322,7 +331,7 @@ def export(module) -> None:
         AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp)
 
 
-def write_metrics(history, plan, counts, val_loss, train_loss, wall_s) -> None:
+def write_metrics(history, plan, counts, val_loss, train_loss, wall_s, hardware) -> None:
     steady = history[min(len(history) - 1, max(1, len(history) // 10)) :] if history else []
 
     def mean(key):
@@ -351,6 +360,7 @@ def write_metrics(history, plan, counts, val_loss, train_loss, wall_s) -> None:
         "params_total": counts["total"],
         "params_activated": counts["activated"],
         "wall_s": wall_s,
+        **hardware,
     }
     with atomic_file(METRICS) as f:
         json.dump(metrics, f, indent=2, sort_keys=True)

@@ -1,0 +1,207 @@
+"""Evaluate and report stages on a tiny model trained on the builtin corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import dsflow, update_params
+
+pytestmark = pytest.mark.slow
+
+TRAIN = {
+    "model": {"preset": "tiny"},
+    "train": {
+        "device": "cpu",
+        "gpus": 1,
+        "precision": "fp32",
+        "seq_len": 64,
+        "micro_batch": 8,
+        "grad_accum": 1,
+        "max_steps": 8,
+        "eval_every": 8,
+        "eval_batches": 1,
+        "checkpoint_every": 8,
+        "schedule": {"kind": "warmup", "warmup_steps": 2},
+    },
+    "evaluate": {"max_windows": 60, "micro_batch": 7, "max_new_tokens": 20},
+}
+
+
+def metrics(repo):
+    return json.loads((repo / "metrics/eval.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def evaluated(prepared, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("eval") / "repo"
+    shutil.copytree(prepared, repo)
+    update_params(repo, TRAIN)
+    dsflow("train", cwd=repo, timeout=900)
+    dsflow("evaluate", cwd=repo, timeout=900)
+    return repo
+
+
+def test_bits_per_byte_counts_every_target_byte(evaluated):
+    from transformers import AutoTokenizer
+
+    from dsflow.data import load_index
+    from dsflow.evaluate import token_byte_lengths
+
+    tok = AutoTokenizer.from_pretrained(evaluated / "models/final")
+    lengths, exact = token_byte_lengths(tok)
+    assert exact and lengths[tok.eos_token_id] == 0
+    index = load_index(evaluated / "data/shards/val")
+    stream = np.concatenate(
+        [
+            np.fromfile(evaluated / "data/shards/val" / s["file"], dtype="<u2")
+            for s in index["shards"]
+        ]
+    )
+    assert int(lengths[stream].sum()) == index["bytes"]
+    m = metrics(evaluated)
+    assert m["tokens"] == 60 * 64
+    assert m["bits_per_byte"] == pytest.approx(m["val_loss"] * m["tokens"] / np.log(2) / m["bytes"])
+    assert m["perplexity"] == pytest.approx(np.exp(m["val_loss"]))
+
+
+def test_one_and_three_ranks_give_the_same_numbers(evaluated, tmp_path):
+    repo = tmp_path / "three"
+    shutil.copytree(evaluated, repo)
+    update_params(repo, {"train": {"gpus": 3}})
+    dsflow("evaluate", cwd=repo, timeout=900)
+    one, three = metrics(evaluated), metrics(repo)
+    assert three["world_size"] == 3 and one["world_size"] == 1
+    for key in ("val_loss", "bits_per_byte", "tokens", "bytes", "experts_max_over_mean"):
+        assert three[key] == pytest.approx(one[key], rel=1e-6), key
+    assert (repo / "reports/eval/samples.json").read_bytes() == (
+        evaluated / "reports/eval/samples.json"
+    ).read_bytes()
+
+
+def test_gap_to_the_entropy_floor_shrinks_with_training_and_stays_positive(evaluated, tmp_path):
+    repo = tmp_path / "longer"
+    shutil.copytree(evaluated, repo)
+    update_params(repo, {"train": {"max_steps": 40}})
+    proc = dsflow("train", cwd=repo, timeout=900)
+    assert "resumed from step 8" in proc.stderr
+    dsflow("evaluate", cwd=repo, timeout=900)
+    short, long = metrics(evaluated), metrics(repo)
+    floor = short["entropy_floor_bpb"]
+    assert long["entropy_floor_bpb"] == floor and 0.2 < floor < 1.0
+    assert long["gap_bpb"] < short["gap_bpb"] - 0.1
+    for m in (short, long):
+        assert m["bits_per_byte"] > floor  # no model beats the corpus's true entropy
+        assert m["ratio_to_floor"] == pytest.approx(m["bits_per_byte"] / floor)
+
+
+def test_samples_and_expert_load(evaluated):
+    samples = json.loads((evaluated / "reports/eval/samples.json").read_text())
+    assert [s["prompt"] for s in samples] == ["Once upon a time", "Long ago, in a village,"]
+    assert all(s["greedy"] and s["sampled"] for s in samples)
+    load = json.loads((evaluated / "reports/eval/expert_load.json").read_text())
+    assert sorted(load, key=int) == ["1", "2", "3"]  # tiny: layer 0 dense, 1-3 MoE
+    assert all(sum(v["load"]) == 60 * 64 * 2 for v in load.values())  # tokens x top-2
+
+
+def test_lm_eval_tasks_without_the_harness_is_a_clear_error(evaluated, tmp_path):
+    pytest.importorskip("transformers")
+    try:
+        import lm_eval  # noqa: F401
+
+        pytest.skip("lm-eval is installed")
+    except ImportError:
+        pass
+    repo = tmp_path / "lm"
+    shutil.copytree(evaluated, repo)
+    update_params(repo, {"evaluate": {"lm_eval_tasks": ["hellaswag"]}})
+    proc = dsflow("evaluate", cwd=repo, check=False, timeout=900)
+    assert proc.returncode == 2 and "pip install lm-eval" in proc.stderr
+
+
+def test_report_holds_every_section_and_embedded_figures(evaluated, tmp_path):
+    repo = tmp_path / "report"
+    shutil.copytree(evaluated, repo)
+    dsflow("report", cwd=repo)
+    md = (repo / "reports/report.md").read_text()
+    for section in (
+        "Provenance",
+        "Model",
+        "Data",
+        "Training",
+        "Evaluation",
+        "Samples",
+        "Wall time per stage",
+        "Comparison with the previous committed run",
+        "Params",
+    ):
+        assert f"## {section}" in md
+    assert "entropy floor" in md and "bits/byte above the corpus's true entropy" in md
+    html = (repo / "reports/report.html").read_text()
+    figures = sorted(p.stem for p in (repo / "reports/figures").glob("*.png"))
+    assert figures == ["expert_load", "loss", "lr", "memory", "throughput"]
+    assert html.count("data:image/png;base64,") == len(figures)
+    assert 'src="figures/' not in html  # self-contained
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    if os.environ.get("CI"):
+        pytest.fail("chromium is not installed (.ci/run installs Debian's chromium)")
+    pytest.skip("chromium is not installed")
+
+
+BROWSER_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
+
+
+def test_report_renders_in_a_real_browser(evaluated, tmp_path):
+    import subprocess
+
+    from matplotlib import image
+
+    repo = tmp_path / "browser"
+    shutil.copytree(evaluated, repo)
+    dsflow("report", cwd=repo)
+    page = (repo / "reports/report.html").resolve().as_uri()
+    shot = tmp_path / "report.png"
+    profile = tmp_path / "profile"
+    common = [chromium(), *BROWSER_FLAGS, f"--user-data-dir={profile}"]
+    subprocess.run(
+        [*common, "--window-size=1100,2400", f"--screenshot={shot}", page],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    pixels = image.imread(shot)[..., :3]
+    flat = pixels.reshape(-1, 3)
+    assert pixels.shape[0] >= 2000 and (flat.min(axis=1) < 0.9).mean() > 0.03  # not blank
+    assert (flat.std(axis=1) > 0.1).mean() > 0.001  # coloured pixels: the plots drew
+    dom = subprocess.run(
+        [*common, "--virtual-time-budget=5000", "--dump-dom", page],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert 'data-broken-images="0"' in dom
+    assert dom.count("<img") == 5
+    shutil.copy(shot, repo / "reports" / "screenshot.png")
+    keep = os.environ.get("DSFLOW_KEEP_SCREENSHOT")
+    if keep:
+        shutil.copy(shot, keep)

@@ -1,0 +1,260 @@
+"""Stage `evaluate`: the exported model on the val shards -> metrics/eval.json + reports/eval/.
+
+Bits per byte = total nats / (ln 2 x UTF-8 bytes of the target tokens), specials counting zero
+bytes but their prediction counting in the nats, so runs with different tokenizers compare and
+the builtin corpus's entropy floor (which includes where each document ends) is a true lower
+bound. Runs on the same ranks as training; per-window results are summed in window order on
+rank 0, so 1 and N ranks report the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dsflow.atomic import atomic_dir, atomic_file
+from dsflow.errors import UsageError
+from dsflow.progress import bar, log
+
+FINAL = Path("models/final")
+SHARDS = Path("data/shards")
+MANIFEST = Path("data/raw/manifest.json")
+METRICS = Path("metrics/eval.json")
+DETAILS = Path("reports/eval")
+WORKER_ENV = "DSFLOW_EVAL_WORKER"
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies use."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+def token_byte_lengths(tokenizer) -> tuple[np.ndarray, bool]:
+    """UTF-8 bytes behind each token id (0 for specials), and whether that is exact.
+
+    Exact for byte-level BPE (every token is a fixed byte string); for other tokenizers the
+    decoded length of each token alone, an approximation."""
+    special = set(tokenizer.all_special_ids)
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    decoder = {c: b for b, c in bytes_to_unicode().items()}
+    byte_level = type(tokenizer.backend_tokenizer.pre_tokenizer).__name__ == "ByteLevel"
+    lengths = np.zeros(len(tokenizer), dtype=np.int64)
+    for i, piece in enumerate(vocab):
+        if i in special or piece is None:
+            continue
+        if byte_level and all(ch in decoder for ch in piece):
+            lengths[i] = len(piece)
+        else:
+            byte_level = False
+            lengths[i] = len(tokenizer.decode([i]).encode("utf-8"))
+    return lengths, byte_level
+
+
+def window_scores(model, reader, byte_len, micro, device, rank, world, max_windows, balancer):
+    """{window index: (nats, tokens, bytes)} for this rank's round-robin share."""
+    from dsflow.lm import to_batch, token_nll
+
+    n = reader.num_windows if max_windows is None else min(max_windows, reader.num_windows)
+    mine = list(range(rank, n, world))
+    scores = {}
+    with torch.no_grad(), balancer.collecting():
+        progress = bar(desc="evaluate", total=len(mine), unit="seq", disable=rank != 0)
+        for start in range(0, len(mine), micro):
+            ids = mine[start : start + micro]
+            windows = np.stack([reader.tokens(i * reader.seq_len, reader.seq_len + 1) for i in ids])
+            inputs, targets = to_batch(windows, device)
+            nll = token_nll(model, inputs, targets).double().sum(dim=1).tolist()
+            nbytes = byte_len[windows[:, 1:]].sum(axis=1).tolist()
+            for i, nats, b in zip(ids, nll, nbytes, strict=True):
+                scores[i] = (nats, reader.seq_len, int(b))
+            progress.update(len(ids))
+        progress.close()
+    return scores
+
+
+def generate_samples(model, tokenizer, cfg, device) -> list[dict]:
+    """Greedy and seeded-sampling continuations of the fixed prompts."""
+    samples = []
+    eos = tokenizer.eos_token_id
+    for prompt in cfg["prompts"]:
+        # Training streams put EOS before every document: it is this model's "start of text".
+        ids = [eos] + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        inputs = torch.tensor([ids], device=device)
+        out = {"prompt": prompt}
+        for mode in ("greedy", "sampled"):
+            torch.manual_seed(cfg["sample_seed"])
+            kw = (
+                {"do_sample": False}
+                if mode == "greedy"
+                else {"do_sample": True, "temperature": cfg["temperature"], "top_k": cfg["top_k"]}
+            )
+            gen = model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
+                max_new_tokens=cfg["max_new_tokens"],
+                eos_token_id=eos,
+                pad_token_id=tokenizer.pad_token_id,
+                **kw,
+            )
+            out[mode] = tokenizer.decode(gen[0, len(ids) :], skip_special_tokens=True)
+        samples.append(out)
+    return samples
+
+
+def lm_eval_results(tasks: list[str]) -> dict:
+    if not tasks:
+        return {}
+    try:
+        import lm_eval
+    except ImportError:
+        raise UsageError(
+            "evaluate.lm_eval_tasks: lm-evaluation-harness is not installed "
+            "(pip install lm-eval), or set evaluate.lm_eval_tasks: []"
+        ) from None
+    try:
+        results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={FINAL}", tasks=tasks)
+    except Exception as e:  # the harness raises many types for missing task data
+        raise UsageError(f"evaluate.lm_eval_tasks: {tasks} failed: {str(e)[:200]}") from None
+    return results.get("results", {})
+
+
+def worker(params: dict, device_type: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dsflow.balance import ExpertBalancer
+    from dsflow.data import ShardReader
+
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    cfg = params["evaluate"]
+    tokenizer = AutoTokenizer.from_pretrained(FINAL)
+    model = AutoModelForCausalLM.from_pretrained(FINAL).to(device).eval()
+    balancer = ExpertBalancer(model, gamma=0.0)
+    reader = ShardReader(SHARDS / "val", params["train"]["seq_len"], seed=params["seed"])
+    byte_len, exact = token_byte_lengths(tokenizer)
+    scores = window_scores(
+        model,
+        reader,
+        byte_len,
+        cfg["micro_batch"],
+        device,
+        rank,
+        world,
+        cfg["max_windows"],
+        balancer,
+    )
+    expert = balancer.eval_stats()  # all-reduced over ranks
+    if distributed:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, scores)
+        scores = {k: v for part in gathered for k, v in part.items()}
+    if rank == 0:
+        write_results(params, model, tokenizer, scores, expert, exact, world, device)
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def write_results(params, model, tokenizer, scores, expert, exact, world, device) -> None:
+    nats = tokens = nbytes = 0
+    for i in sorted(scores):  # fixed order: the same sum for any number of ranks
+        n, t, b = scores[i]
+        nats, tokens, nbytes = nats + n, tokens + t, nbytes + b
+    bpb = nats / (math.log(2) * nbytes)
+    metrics = {
+        "val_loss": nats / tokens,
+        "perplexity": math.exp(nats / tokens),
+        "bits_per_byte": bpb,
+        "bytes_exact": exact,
+        "tokens": tokens,
+        "bytes": nbytes,
+        "world_size": world,
+        "experts_max_over_mean": expert.get("max_over_mean"),
+        "experts_entropy_min": expert.get("entropy_min"),
+    }
+    manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
+    floor = manifest.get("splits", {}).get("val", {}).get("entropy_bits_per_byte")
+    if floor is not None:
+        metrics.update(entropy_floor_bpb=floor, gap_bpb=bpb - floor, ratio_to_floor=bpb / floor)
+    lm_eval = lm_eval_results(params["evaluate"]["lm_eval_tasks"])
+    if lm_eval:
+        metrics["lm_eval"] = lm_eval
+    samples = generate_samples(model, tokenizer, params["evaluate"], device)
+    layers = {str(k): v for k, v in expert.get("layers", {}).items()}
+    with atomic_dir(DETAILS) as tmp:
+        (tmp / "samples.json").write_text(json.dumps(samples, indent=2, sort_keys=True) + "\n")
+        (tmp / "expert_load.json").write_text(json.dumps(layers, indent=2, sort_keys=True) + "\n")
+    with atomic_file(METRICS) as f:
+        f.write(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    log.info(
+        "val loss %.4f, %.4f bits/byte%s",
+        metrics["val_loss"],
+        bpb,
+        f" (floor {floor:.4f}, gap {bpb - floor:.4f})" if floor is not None else "",
+    )
+
+
+def run(params: dict) -> None:
+    from dsflow import params as params_mod
+    from dsflow.train import free_port, launch_env, resolve_device
+
+    if not (FINAL / "config.json").exists():
+        raise UsageError(f"{FINAL}: no exported model; run the train stage first")
+    device, world = resolve_device(params["train"])
+    if world == 1:
+        worker(params, device)
+        return
+    plan = {"device": device, "world": world}
+    # Ranks get exactly these params (overlays included), not a fresh read of params.yaml.
+    env = {**launch_env(plan), WORKER_ENV: device, params_mod.CONFIG_ENV: json.dumps(params)}
+    port = str(free_port())
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(world),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        port,
+        "-m",
+        "dsflow.evaluate",
+    ]
+    code = subprocess.call(cmd, env=env)
+    if code != 0:
+        raise UsageError(f"evaluation failed (launcher exit {code}); see the rank output above")
+
+
+if __name__ == "__main__":
+    from dsflow import params as params_mod
+    from dsflow.progress import setup_logging
+
+    if os.environ.get("RANK", "0") == "0":
+        setup_logging("evaluate", append=True)
+    worker(params_mod.load(), os.environ[WORKER_ENV])

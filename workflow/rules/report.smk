@@ -1,0 +1,41 @@
+# Evaluate the exported model, then write the report.
+
+
+rule evaluate:
+    input:
+        code("evaluate", "lm"),
+        "models/final",
+        "data/shards",
+        "data/raw",
+    output:
+        "metrics/eval.json",
+        directory("reports/eval"),
+    params:
+        **P("seed", "evaluate", "train.seq_len", "train.device", "train.gpus"),
+    resources:
+        gpus=train_gpus(),
+    log:
+        "logs/evaluate.log",
+    shell:
+        "python -m dsflow evaluate"
+
+
+rule report:
+    input:
+        code("report"),
+        "metrics/train.json",
+        "metrics/eval.json",
+        "reports/eval",
+    output:
+        report("reports/report.html", category="Report", labels={"type": "html"}),
+        report("reports/report.md", category="Report", labels={"type": "markdown"}),
+        report(
+            directory("reports/figures"),
+            patterns=["{name}.png"],
+            category="Plots",
+            labels={"figure": "{name}"},
+        ),
+    log:
+        "logs/report.log",
+    shell:
+        "python -m dsflow report"
