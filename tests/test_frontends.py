@@ -94,7 +94,16 @@ def differences(rules: dict, stages: dict) -> list[str]:
 
 def test_snakefile_and_dvc_yaml_describe_the_same_dag():
     rules, stages = snakemake_rules(), dvc_stages()
-    assert {"download", "tokenizer", "tokenize", "shard", "train"} <= set(stages)
+    assert {
+        "download",
+        "tokenizer",
+        "tokenize",
+        "shard",
+        "plan",
+        "train",
+        "evaluate",
+        "report",
+    } == set(stages)
     assert differences(rules, stages) == []
     assert stages["train"]["persist"] == ["checkpoints", "dvclive"]
 

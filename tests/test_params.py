@@ -35,7 +35,7 @@ def test_bad_values_name_the_key_and_the_allowed_values(overlay, key, allowed):
 
 
 def test_defaults_are_filled_from_the_schema():
-    sections = ("download", "tokenizer", "tokenize", "shard", "model", "train")
+    sections = ("download", "tokenizer", "tokenize", "shard", "model", "train", "evaluate")
     filled = P.validate({"seed": 1, **{s: {} for s in sections}})
     assert filled["tokenizer"]["vocab_size"] == 4096
     assert filled["download"]["hf"]["split"] == "train"

@@ -131,7 +131,7 @@ def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
     run(["git", "add", "-A"], cwd=repo)
     run(["git", "commit", "-qm", "run 2"], cwd=repo)
     diff = run(["dvc", "metrics", "diff", "HEAD~1", "HEAD"], cwd=repo).stdout
-    for metric in ("val_loss", "bits_per_byte", "train_loss"):
+    for metric in ("val_loss", "bits_per_byte", "perplexity", "tokens_per_s"):
         assert metric in diff
     params_diff = run(["dvc", "params", "diff", "HEAD~1", "HEAD"], cwd=repo).stdout
     assert "train.optimizer.lr" in params_diff

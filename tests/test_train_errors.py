@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import dsflow, update_params
@@ -122,3 +124,27 @@ def test_vocab_mismatch_with_a_pretrained_model(prepared, tmp_path):
     assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
     assert "vocab_size 999" in line and "384" in line and "tokenizer" in line
+
+
+def test_preflight_refuses_what_cannot_fit_and_sets_nccl_for_consumer_cards(monkeypatch):
+    from dsflow import doctor
+    from dsflow.params import deep_merge, load
+
+    gpus = [
+        {"index": i, "name": "NVIDIA GeForce RTX 4090", "total_memory": 24 * 2**30}
+        for i in range(3)
+    ]
+    facts = doctor.gather_facts(".")
+    facts.update(gpus=gpus, p2p={f"{a}-{b}": False for a in range(3) for b in range(3) if a != b})
+    monkeypatch.setattr(doctor, "gather_facts", lambda *_: facts)
+    monkeypatch.setattr(doctor, "diagnose", lambda *_: [])
+    params = deep_merge(load(), {"model": {"preset": "deepseek-v2"}, "train": {"device": "cuda"}})
+    plan = {"device": "cuda", "world": 3}
+    with pytest.raises(UsageError) as exc:
+        train.preflight(params, plan)
+    msg = str(exc.value)
+    assert "\n" not in msg and "deepseek-v2" in msg
+    # 236B parameters x 2 bytes on every GPU (the vocabulary here is the test tokenizer's).
+    assert re.search(r"16-bit weights alone are 4[67]\d\.\d GB", msg)
+    forced = deep_merge(params, {"train": {"force": True}})
+    assert train.preflight(forced, plan) == doctor.nccl_env(facts)

@@ -27,6 +27,7 @@ RESUMABLE_KEYS = {
     "peak_tflops",
     "launcher",
     "master_port",
+    "force",
 }
 
 

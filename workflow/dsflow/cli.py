@@ -18,6 +18,8 @@ STAGES = {
     "tokenizer": "dsflow.tokenizer",
     "tokenize": "dsflow.tokenize",
     "shard": "dsflow.shard",
+    "plan": "dsflow.plan",
+    "doctor": "dsflow.doctor",
     "train": "dsflow.train",
     "evaluate": "dsflow.evaluate",
     "report": "dsflow.report",
@@ -47,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name in STAGES:
-        sub.add_parser(name, help=f"run the {name} stage")
+        stage = sub.add_parser(name, help=f"run the {name} stage")
+        if name == "plan":
+            from dsflow.plan import add_arguments
+
+            add_arguments(stage)
     sub.add_parser("validate", help="validate the params and print the effective values")
     prof = sub.add_parser("profile", help="print a profile as `dvc exp run -S` arguments")
     prof.add_argument("file", help="profile overlay, e.g. profiles/rtx4090x3.yaml")
@@ -70,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
 
         setup_logging(args.stage)
         start = time.perf_counter()
-        importlib.import_module(STAGES[args.stage]).run(params)
+        module = importlib.import_module(STAGES[args.stage])
+        if args.stage in ("plan", "doctor"):
+            module.run(params, args)
+        else:
+            module.run(params)
         log.info("finished, wall_s=%.1f", time.perf_counter() - start)
     except UsageError as e:
         print(f"dsflow {args.stage}: error: {e}", file=sys.stderr)

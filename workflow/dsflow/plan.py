@@ -97,8 +97,9 @@ DS_SUB_GROUP_SIZE = 1_000_000_000  # ZeRO-3 optimizer sub-group (fp32 gradient c
 DEFAULT_BUCKETS = (200_000_000, 200_000_000)  # train.zero.{reduce,allgather}_bucket_size
 DEFAULT_VOCAB = 32000
 
-# Total memory of a GPU by flops.GPU_PEAK_TFLOPS key (nvidia-smi's "Total", in bytes), for
-# planning a machine that is not this one.
+# Total memory of a GPU by flops.GPU_PEAK_TFLOPS key (nvidia-smi's "Total" as commonly reported,
+# in bytes; not verified on every card here), for planning a machine that is not this one.
+# A visible GPU's own torch.cuda.get_device_properties().total_memory and --gpu-mem win.
 GPU_MEMORY_BYTES: dict[str, int] = {
     "B200": 183_359 * 2**20,
     "H200 SXM": 143_771 * 2**20,
@@ -351,8 +352,13 @@ def estimate(
         grads_fp32 = 4 * part
     host_optimizer = host_grads = host_params = 0
     if offload_optimizer:
-        host_optimizer, host_grads = master + adam, grads_fp32
-        if zero_stage in (1, 2):  # pinned 16-bit staging copy of the partition
+        # On the host: the fp32 master + Adam partitions, an fp32 gradient partition for the CPU
+        # optimizer, and a pinned 16-bit staging buffer (ZeRO-1/2: of the updated weights,
+        # stage_1_and_2's param_buffer_of_bit16_for_cpu_offload_groups; ZeRO-3: of the
+        # gradients, stage3's grad_partitions_flat_buffer).
+        host_optimizer = master + adam
+        host_grads = 4 * part + (w * part if zero_stage == 3 else 0)
+        if zero_stage in (1, 2):
             host_params += w * part
         master = adam = grads_fp32 = 0
     if offload_params:
@@ -494,6 +500,19 @@ _ITEM_NAMES = {
 }
 
 
+def _blocker(est: dict, gpu_mem_bytes: int) -> str:
+    """The item to explain: a replicated one (more GPUs would not help) that alone exceeds the
+    GPU, else the largest."""
+    gpu, stage = est["gpu"], est["inputs"]["zero_stage"]
+    replicated = (
+        ["weights"] * (stage < 3) + ["gradients"] * (stage < 2) + ["optimizer"] * (stage < 1)
+    )
+    for item in replicated:
+        if gpu[item] > gpu_mem_bytes:
+            return item
+    return max(_ITEM_NAMES, key=lambda k: (gpu[k], k))
+
+
 def verdict(
     estimate: dict, gpu_mem_bytes: int, host_mem_bytes: int | None = None
 ) -> tuple[bool, str]:
@@ -503,20 +522,27 @@ def verdict(
     need = gpu["total"]
     dtype = "fp32" if estimate["inputs"]["precision"] == "fp32" else "16-bit"
     if need > gpu_mem_bytes:
-        item = max(_ITEM_NAMES, key=lambda k: (gpu[k], k))
+        item = _blocker(estimate, gpu_mem_bytes)
         name = _ITEM_NAMES[item].format(dtype=dtype)
         alone = " alone" if gpu[item] > gpu_mem_bytes else ""
+        others = sorted(
+            (k for k in _ITEM_NAMES if k != item and gpu[k] > 0), key=lambda k: (-gpu[k], k)
+        )[:3]
+        also = ", ".join(f"{_ITEM_NAMES[k].format(dtype=dtype)} {_fmt_gb(gpu[k])}" for k in others)
         return False, (
-            f"needs {_fmt_gb(need)} per GPU but {_fmt_gb(gpu_mem_bytes)} available: "
-            f"{name}{alone} are {_fmt_gb(gpu[item])} ({_explain(estimate, item)})"
+            f"needs {_fmt_gb(need)} per GPU but {_fmt_gb(gpu_mem_bytes)} available: the "
+            f"{name}{alone} {'is' if item == 'zero3_gathered' else 'are'} "
+            f"{_fmt_gb(gpu[item])} ({_explain(estimate, item)})"
+            + (f"; also {also}" if also else "")
         )
     host = estimate["host"]
     if host_mem_bytes is not None and host["node_total"] > host_mem_bytes:
+        offloaded = host["optimizer"] + host["gradients"] + host["parameters"]
         return False, (
             f"fits the GPUs ({_fmt_gb(need)} of {_fmt_gb(gpu_mem_bytes)}) but needs "
             f"{_fmt_gb(host['node_total'])} of host RAM, {_fmt_gb(host_mem_bytes)} available "
-            f"(offloaded states {_fmt_gb(host['per_rank'] - FRAMEWORK_OVERHEAD.host_per_rank_bytes)}"
-            f" or the fp32 model build {_fmt_gb(host['init_per_rank'])} per rank)"
+            f"(per rank: offloaded states {_fmt_gb(offloaded)}, or the fp32 model every rank "
+            f"builds first {_fmt_gb(host['init_per_rank'])})"
         )
     return True, (
         f"fits: {_fmt_gb(need)} per GPU of {_fmt_gb(gpu_mem_bytes)} "
@@ -775,9 +801,32 @@ def format_plan_rows(rows: list[dict]) -> str:
     return format_table(PLAN_HEADERS, body)
 
 
-def plan_table(config: Any, **kwargs: Any) -> str:
-    """:func:`plan_rows` as an aligned plain-text table (GB = 1e9 bytes)."""
-    return format_plan_rows(plan_rows(config, **kwargs))
+def plan_table(
+    config: Any,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    world: int,
+    precision: str,
+    gpu_mem_bytes: int | None = None,
+    host_mem_bytes: int | None = None,
+    bucket_sizes: tuple[int, int] = DEFAULT_BUCKETS,
+    overlap_comm: bool = True,
+) -> str:
+    """:func:`plan_rows` as an aligned plain-text table (GB = 1e9 bytes; "other" = buckets,
+    ZeRO-3's gathered module, the fp32 step gradients beyond the activations, overhead)."""
+    rows = plan_rows(
+        config,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        world=world,
+        precision=precision,
+        gpu_mem_bytes=gpu_mem_bytes,
+        host_mem_bytes=host_mem_bytes,
+        bucket_sizes=bucket_sizes,
+        overlap_comm=overlap_comm,
+    )
+    return format_plan_rows(rows)
 
 
 def strategies_table(rows: list[dict]) -> str:
@@ -952,6 +1001,18 @@ def resolve(
 ) -> Request:
     """The plan's inputs from params, the ad-hoc flags in ``args`` and the machine.
 
+    - model: ``--model`` (then params' overrides / pretrained are ignored), else
+      ``model.preset`` + ``model.overrides``, or a local ``model.pretrained`` checkpoint's config.
+    - vocabulary: ``--vocab``; the pretrained checkpoint's; ``data/shards/train/index.json``
+      (what train uses); without shards ``tokenizer.vocab_size`` (what the tokenizer stage will
+      train, unless ``tokenizer.pretrained`` or ``--model``); the preset's
+      ``published_vocab_size``; 32000.
+    - world: ``world`` / ``--gpus`` / ``train.gpus`` (auto: the visible GPUs, else 1).
+    - GPU memory: ``gpu_mem_bytes`` / ``--gpu-mem``; the smallest of the visible GPUs used
+      (``torch.cuda.get_device_properties``); a GPU named by a profile file (rtx4090x3.yaml);
+      else unknown. Host RAM: ``host_mem_bytes`` / ``--host-mem``; this machine's when its
+      GPUs are the ones planned for; else unknown (not checked).
+
     ``gpus`` (the visible GPUs as :func:`visible_gpus` returns them) and ``host_mem_bytes``
     replace what this machine reports (the doctor passes its facts).
     """
@@ -992,6 +1053,10 @@ def resolve(
         )
     if vocab is None:
         vocab, vocab_source = _index_vocab(), "data/shards/train/index.json"
+    tok = params.get("tokenizer", {})
+    if vocab is None and not _arg(args, "model") and not tok.get("pretrained"):
+        # No shards yet: the tokenizer stage will train this many tokens (at most).
+        vocab, vocab_source = tok.get("vocab_size"), "tokenizer.vocab_size"
     if vocab is None:
         vocab = PRESETS[preset].get("published_vocab_size")
         vocab_source = f"{preset}'s published vocabulary"

@@ -167,8 +167,33 @@ def prepare_run_dir(plan: dict) -> None:
     write_json(root / "run.json", {k: v for k, v in plan.items() if k != "ds_config"})
 
 
+def preflight(params: dict, plan: dict) -> dict:
+    """The doctor's blockers and the planner's verdict, before any rank starts; returns the
+    NCCL settings the machine needs (e.g. NCCL_P2P_DISABLE=1 on cards without peer access)."""
+    from dsflow import doctor
+    from dsflow import plan as planner
+
+    facts = doctor.gather_facts(".")
+    fails = [c for c in doctor.diagnose(facts, params) if c.status == doctor.FAIL]
+    if fails:
+        first = fails[0]
+        raise UsageError(f"doctor: {first.name}: {first.detail}; {first.fix}".rstrip("; "))
+    if plan["device"] == "cuda" and not params["train"]["force"]:
+        mem = min(g["total_memory"] for g in facts["gpus"][: plan["world"]])
+        planner.check_fits(params, plan["world"], plan["device"], mem)
+    return doctor.nccl_env(facts) if plan["device"] == "cuda" else {}
+
+
 def run(params: dict) -> None:
+    if params["train"]["zero_stage"] == 3:
+        raise UsageError(
+            "train.zero_stage: 3 is not supported by the train stage yet (export of partitioned "
+            "weights and MoE leaf modules are missing); use 0, 1 or 2"
+        )
     plan = plan_run(params)
+    nccl = preflight(params, plan)
+    for key, value in nccl.items():
+        log.info("setting %s=%s for this machine (see python -m dsflow doctor)", key, value)
     prepare_run_dir(plan)
     batch = plan["batch"]
     log.info(
@@ -182,7 +207,7 @@ def run(params: dict) -> None:
         plan["steps"],
         ckpt.latest_tag(ckpt.CHECKPOINTS) or "none",
     )
-    proc = subprocess.Popen(launch_command(plan), env=launch_env(plan))
+    proc = subprocess.Popen(launch_command(plan), env={**launch_env(plan), **nccl})
     try:
         code = proc.wait()
     except KeyboardInterrupt:

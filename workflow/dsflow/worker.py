@@ -97,9 +97,15 @@ class Logger:
     """Rank 0 only: DVCLive metrics (for dvc plots / metrics) and the progress bar."""
 
     def __init__(self, start: int, steps: int, resumed: bool):
+        import dvclive.live
         from dvclive import Live
 
         from dsflow.progress import bar
+
+        if not os.environ.get("DVC_ROOT"):
+            # Outside `dvc repro`, DVCLive would `dvc init` a plain git checkout (and crash on
+            # one with no commits); dsflow only wants its files there.
+            dvclive.live.get_dvc_repo = lambda: None
 
         if resumed:
             truncate_live_logs(LIVE_DIR, start)
@@ -263,6 +269,9 @@ def main() -> int:
             raise FloatingPointError(f"loss is {loss_value} at step {step}")
         tokens_per_s = global_tokens / dt
         memory = all_gather_int(peak_memory_bytes(device), device)
+        reserved = all_gather_int(
+            torch.cuda.max_memory_reserved(device) if device_type == "cuda" else 0, device
+        )
         if step % train["eval_every"] == 0 or step == steps:
             val_loss = validate()
         if rank == 0:
@@ -285,7 +294,16 @@ def main() -> int:
             if step % train["log_every"] == 0 or step == steps or "val/loss" in metrics:
                 logger.log(step, metrics)
             logger.progress(loss_value, tokens_per_s)
-            history.append({"step": step, "dt": dt, "memory": memory, "expert": expert, **metrics})
+            history.append(
+                {
+                    "step": step,
+                    "dt": dt,
+                    "memory": memory,
+                    "reserved": reserved,
+                    "expert": expert,
+                    **metrics,
+                }
+            )
         inject_fault(step, rank)
         stop = bool(all_sum([1.0 if Stop.requested else 0.0], device)[0])
         if step % train["checkpoint_every"] == 0 or step == steps or stop:
@@ -353,6 +371,7 @@ def write_metrics(history, plan, counts, val_loss, train_loss, wall_s, hardware)
         "step_s": mean("perf/step_s"),
         "data_wait_frac": mean("perf/data_wait_frac"),
         "peak_memory_gb_per_rank": [m / 1e9 for m in last.get("memory", [])],
+        "peak_reserved_gb_per_rank": [m / 1e9 for m in last.get("reserved", [])],
         "experts_max_over_mean": last.get("experts/max_over_mean"),
         "experts_entropy_min": last.get("experts/entropy_min"),
         "world_size": plan["world"],

@@ -5,9 +5,12 @@
 
 rule train:
     input:
-        code("train", "worker", "model", "balance", "flops", "dsconfig", "lm", "checkpoint"),
+        code(
+            "train", "worker", "model", "balance", "flops", "dsconfig", "lm", "checkpoint", "doctor"
+        ),
         "data/shards",
         "data/tokenizer",
+        "reports/plan.json",
     output:
         directory("models/final"),
         "metrics/train.json",
@@ -20,3 +23,17 @@ rule train:
         "logs/train.log",
     shell:
         "python -m dsflow train"
+
+
+rule plan:
+    input:
+        code("plan", "model", "flops"),
+        "data/shards",
+    output:
+        "reports/plan.json",
+    params:
+        **P("model", "train"),
+    log:
+        "logs/plan.log",
+    shell:
+        "python -m dsflow plan"

@@ -1,0 +1,476 @@
+"""Memory / compute planner (dsflow.plan): shapes, ZeRO semantics, DeepSpeed cross-check, the
+activation model against autograd, strategies, and the stage's report file."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsflow import params as params_mod
+from dsflow import plan
+from dsflow.errors import UsageError
+from dsflow.model import PRESETS, model_config, param_counts
+
+ROOT = Path(__file__).resolve().parent.parent
+GB = 10**9
+CARD = 24 * GB  # "24 GB" as --gpu-mem 24 means it
+
+
+def _published(preset: str):
+    return model_config(preset, PRESETS[preset]["published_vocab_size"])
+
+
+def _est(config, **kw):
+    base = dict(seq_len=1024, micro_batch=4, world=3, zero_stage=2, precision="bf16")
+    base.update(kw)
+    return plan.estimate(config, **base)
+
+
+def _params(*profiles: str) -> dict:
+    return params_mod.load(ROOT / "params.yaml", overlays=[str(ROOT / p) for p in profiles])
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+@pytest.mark.parametrize(
+    "preset, total, activated, tolerance",
+    [
+        ("deepseek-v3", 671e9, 37e9, 0.02),
+        ("deepseek-v2", 236e9, 21e9, 0.02),
+        # 2.451B activated, published as "2.4B": 2.1 % above the rounded figure
+        ("deepseek-v2-lite", 15.7e9, 2.4e9, 0.025),
+    ],
+)
+def test_published_shapes(preset, total, activated, tolerance):
+    counts = param_counts(_published(preset))
+    assert counts["total"] == pytest.approx(total, rel=0.02)
+    assert counts["activated"] == pytest.approx(activated, rel=tolerance)
+
+
+def _meta_largest(config) -> tuple[int, int]:
+    from transformers import DeepseekV3ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(copy.deepcopy(config))
+    module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    param = max(p.numel() for p in model.parameters())
+    return module, param
+
+
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [("tiny", {}), ("tiny", {"q_lora_rank": 24}), ("medium", {"num_hidden_layers": 2})],
+)
+def test_largest_module_matches_the_model(preset, overrides):
+    config = model_config(preset, 1000, overrides)
+    module, _, param, _ = plan.largest_module(config)
+    assert (module, param) == _meta_largest(config)
+
+
+def test_v3_expert_bank_is_one_module():
+    """HF fuses a layer's 256 experts into one module: ZeRO-3 gathers 11.3B params at once."""
+    module, name, _, _ = plan.largest_module(_published("deepseek-v3"))
+    assert module == 256 * 3 * 7168 * 2048 and "experts" in name
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def _measured_saved_bytes(config, micro, seq, dtype) -> int:
+    """Bytes autograd saves for backward (parameters excluded), with the flash SDPA kernel the
+    CPU has and the grouped_mm experts path CUDA uses."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AutoModelForCausalLM
+
+    from dsflow.balance import ExpertBalancer
+    from dsflow.lm import mean_loss
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config),
+        attn_implementation="sdpa",
+        experts_implementation="grouped_mm",
+        dtype=dtype,
+    )
+    model.train()
+    balancer = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=1e-4)
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in own and s.data_ptr() != 0:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    ids = torch.randint(0, config.vocab_size, (micro, seq + 1))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = mean_loss(model, ids[:, :-1], ids[:, 1:]) + balancer.aux_loss()
+    assert torch.isfinite(loss)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize(
+    "preset, overrides, precision",
+    [
+        # v_head_dim = qk head dim so that the CPU's flash kernel runs (CUDA's memory-efficient
+        # kernel takes v != qk and saves the same tensors)
+        ("tiny", {"v_head_dim": 48}, "bf16"),
+        ("tiny", {"v_head_dim": 48}, "fp32"),
+        ("medium", {"num_hidden_layers": 2, "v_head_dim": 96}, "bf16"),  # q_lora + MoE
+    ],
+)
+def test_saved_activations_match_autograd(preset, overrides, precision):
+    config = model_config(preset, 1000, overrides)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    measured = _measured_saved_bytes(config, 2, 64, dtype)
+    predicted = plan.activation_bytes(config, seq_len=64, micro_batch=2, precision=precision)
+    assert predicted["saved_no_checkpointing"] == pytest.approx(measured, rel=0.02)
+
+
+def test_activation_checkpointing_reduces_activations():
+    for preset in ("small", "medium", "deepseek-v2-lite"):
+        config = model_config(preset, 32000)
+        plain = _est(config)["gpu"]["activations"]
+        ckpt = _est(config, activation_checkpointing=True)["gpu"]["activations"]
+        assert ckpt < plain / 2
+    acts = plan.activation_bytes(model_config("medium", 32000), seq_len=1024, micro_batch=4,
+                                 precision="bf16")  # fmt: skip
+    assert acts["saved_checkpointing"] < acts["saved_no_checkpointing"]
+    # the fp32 cross-entropy peak: 3 fp32 vocab rows per token
+    assert acts["logits_peak"] == 12 * 32000 * 4 * 1024
+
+
+def test_activations_scale_with_tokens():
+    config = model_config("small", 32000)
+    a4 = plan.activation_bytes(config, seq_len=1024, micro_batch=4, precision="bf16")
+    a8 = plan.activation_bytes(config, seq_len=1024, micro_batch=8, precision="bf16")
+    assert a8["layers"] == pytest.approx(2 * a4["layers"], rel=0.01)
+    assert a8["logits_peak"] == 2 * a4["logits_peak"]
+
+
+# --------------------------------------------------------------------------- ZeRO semantics
+
+
+def test_v2_zero2_on_three_4090s_is_refused_with_the_weights_size():
+    est = _est(_published("deepseek-v2"))
+    assert est["gpu"]["weights"] == 2 * param_counts(_published("deepseek-v2"))["total"]
+    fits, reason = plan.verdict(est, CARD)
+    assert not fits
+    assert "16-bit weights" in reason and "every GPU" in reason
+    assert re.search(r"47[12]\.\d GB", reason), reason
+    assert "24.0 GB available" in reason and "\n" not in reason
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_medium_fits_three_24gb_cards_under_zero2(precision):
+    est = _est(model_config("medium", 32000), precision=precision)
+    fits, reason = plan.verdict(est, CARD)
+    assert fits, reason
+    assert 8 * GB < est["gpu"]["total"] < CARD
+    assert reason.startswith("fits")
+
+
+def test_medium_micro16_does_not_fit_but_checkpointing_does():
+    config = model_config("medium", 32000)
+    assert not plan.verdict(_est(config, micro_batch=16), CARD)[0]
+    assert plan.verdict(_est(config, micro_batch=16, activation_checkpointing=True), CARD)[0]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "medium", "deepseek-v2-lite", "deepseek-v3"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_zero_stages_are_monotone(preset, precision, world):
+    config = model_config(preset, PRESETS[preset].get("published_vocab_size", 32000))
+    states = []
+    for stage in (0, 1, 2, 3):
+        g = _est(config, zero_stage=stage, precision=precision, world=world)["gpu"]
+        states.append(g["weights"] + g["gradients"] + g["optimizer"])
+    if precision == "fp32" and world == 1:
+        # DeepSpeed's ZeRO-1/2 optimizer clones its (here: the whole) partition as an fp32
+        # master even when the weights are fp32: +4 B/param over plain ZeRO-0 on one GPU.
+        assert states[1] == states[0] + 4 * param_counts(config)["total"]
+        assert states[3] <= states[2] <= states[1]
+        return
+    assert states[3] <= states[2] <= states[1] <= states[0]
+    if world > 1:
+        assert states[3] < states[2] < states[1] < states[0]
+
+
+def test_zero_semantics_per_param():
+    config = model_config("medium", 32000)
+    P = param_counts(config)["total"]
+    part = -(-P // 3)
+    z0, z1, z2, z3 = (_est(config, zero_stage=s)["gpu"] for s in range(4))
+    assert (z0["weights"], z0["gradients"], z0["optimizer"]) == (2 * P, 2 * P, 12 * P)
+    assert (z1["weights"], z1["gradients"], z1["optimizer"]) == (2 * P, 2 * P, 12 * part)
+    assert (z2["weights"], z2["gradients"], z2["optimizer"]) == (2 * P, 2 * part, 12 * part)
+    assert (z3["weights"], z3["gradients"], z3["optimizer"]) == (2 * part, 2 * part, 12 * part)
+    fp32 = _est(config, zero_stage=0, precision="fp32")["gpu"]
+    assert (fp32["weights"], fp32["gradients"], fp32["optimizer"]) == (4 * P, 4 * P, 8 * P)
+    off = _est(config, zero_stage=3, offload_optimizer=True, offload_params=True)
+    assert off["gpu"]["weights"] == off["gpu"]["optimizer"] == off["gpu"]["gradients"] == 0
+    host = off["host"]
+    assert (host["optimizer"], host["gradients"], host["parameters"]) == (
+        12 * part,
+        4 * part + 2 * part,  # fp32 for the CPU Adam + the pinned 16-bit gradient partition
+        2 * part,
+    )
+    with pytest.raises(ValueError):
+        _est(config, zero_stage=2, offload_params=True)
+    with pytest.raises(ValueError):
+        _est(config, zero_stage=0, offload_optimizer=True)
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+
+
+@pytest.fixture(scope="module")
+def ds_estimators():
+    from deepspeed.runtime.zero.stage3 import (
+        estimate_zero3_model_states_mem_needs,
+        estimate_zero3_model_states_mem_needs_all_cold,
+    )
+    from deepspeed.runtime.zero.stage_1_and_2 import (
+        estimate_zero2_model_states_mem_needs,
+        estimate_zero2_model_states_mem_needs_all_cold,
+    )
+
+    return (
+        estimate_zero2_model_states_mem_needs,
+        estimate_zero3_model_states_mem_needs,
+        estimate_zero2_model_states_mem_needs_all_cold,
+        estimate_zero3_model_states_mem_needs_all_cold,
+    )
+
+
+CROSS = [("medium", 32000), ("deepseek-v2-lite", None), ("deepseek-v2", None)]
+
+
+@pytest.mark.parametrize("preset, vocab", CROSS)
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_zero2_model_states_equal_deepspeed(ds_estimators, preset, vocab, world):
+    zero2 = ds_estimators[0]
+    config = model_config(preset, vocab or PRESETS[preset]["published_vocab_size"])
+    P = param_counts(config)["total"]
+    for offload in (False, True):
+        est = _est(config, world=world, zero_stage=2, offload_optimizer=offload)
+        cpu, gpu = zero2(
+            P, num_gpus_per_node=world, cpu_offload=offload, additional_buffer_factor=1
+        )
+        # GPU: 2P + 18P/N without offload (16-bit weights; 16-bit + fp32 grads, fp32 master,
+        # Adam m, v partitions), 2P with it: the same formula, to the byte.
+        assert est["gpu"]["model_states"] == pytest.approx(gpu, rel=1e-6)
+        host = est["host"]["node_total"] - world * plan.FRAMEWORK_OVERHEAD.host_per_rank_bytes
+        if not offload or 4 * world >= 18:
+            # DeepSpeed's host number is every rank's fp32 model (4 B/param x N) or the offloaded
+            # states, like ours; we do not apply its 1.5 "additional_buffer_factor".
+            assert host == pytest.approx(cpu, rel=1e-6)
+        else:
+            # offload: DeepSpeed counts 16 B/param (fp32 master, m, v, grads); ours adds the
+            # pinned 16-bit staging copy of the partition stage_1_and_2 allocates: 18 B/param.
+            assert host == pytest.approx(cpu * 18 / 16, rel=1e-6)
+
+
+@pytest.mark.parametrize("preset, vocab", CROSS)
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_zero3_model_states_against_deepspeed(ds_estimators, preset, vocab, world):
+    zero3 = ds_estimators[1]
+    config = model_config(preset, vocab or PRESETS[preset]["published_vocab_size"])
+    P = param_counts(config)["total"]
+    largest = plan.largest_module(config)[0]
+    part = -(-P // world)
+    for opt, par in ((False, False), (True, False), (True, True)):
+        est = _est(config, world=world, zero_stage=3, offload_optimizer=opt, offload_params=par)
+        g = est["gpu"]
+        ours = g["model_states"] + g["zero3_gathered"]
+        _, gpu, gathered = zero3(
+            P, largest, num_gpus_per_node=world, cpu_offload=opt, cpu_offload_params=par,
+            zero_init=False, additional_buffer_factor=1,
+        )  # fmt: skip
+        assert g["zero3_gathered"] == gathered  # 4 B x the largest module (params + grads)
+        if opt:
+            assert ours == pytest.approx(gpu, rel=1e-6)
+        else:
+            # Without offload DeepSpeed's ZeRO-3 formula is largest + 18P/N: it leaves out the
+            # 16-bit parameter partition every rank holds (its own offload branch counts it as
+            # 2P/N), and it counts the fp32 gradient copy of the whole partition, which ZeRO-3
+            # makes one sub_group_size (1e9 elements) at a time.
+            capped = 4 * part - 4 * min(part, plan.DS_SUB_GROUP_SIZE)
+            assert ours == pytest.approx(gpu + 2 * part - capped, rel=1e-6)
+
+
+def test_all_cold_estimators_run(ds_estimators, capsys):
+    """The printing variants named in DeepSpeed's docs take the same inputs."""
+    config = model_config("medium", 32000)
+    P = param_counts(config)["total"]
+    ds_estimators[2](total_params=P, num_gpus_per_node=3, num_nodes=1)
+    ds_estimators[3](total_params=P, largest_layer_params=plan.largest_module(config)[0],
+                     num_gpus_per_node=3, num_nodes=1)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "per GPU" in out and "offload" in out
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+def test_cheapest_fit_v2_lite_with_enough_host_ram():
+    config = _published("deepseek-v2-lite")
+    rows = plan.cheapest_fit(
+        config, seq_len=1024, micro_batch=4, world=3, zero_stage=2, precision="bf16",
+        gpu_mem_bytes=CARD, host_mem_bytes=1024 * GB,
+    )  # fmt: skip
+    assert not rows[0]["fits"] and rows[0]["strategy"] == "ZeRO-2 + micro 4"
+    rec = plan.recommendation(rows)
+    assert rec is rows[-1] and rec["fits"] and rec["preset"] is None
+    assert rec["zero_stage"] == 3 and rec["offload_optimizer"]
+    assert rec["gpu_bytes"] <= CARD
+    assert [r["fits"] for r in rows] == [False] * (len(rows) - 1) + [True]
+
+
+def test_cheapest_fit_v2_lite_short_of_host_ram_falls_back_to_a_smaller_preset():
+    config = _published("deepseek-v2-lite")
+    rows = plan.cheapest_fit(
+        config, seq_len=1024, micro_batch=4, world=3, zero_stage=2, precision="bf16",
+        gpu_mem_bytes=CARD, host_mem_bytes=128 * GB,
+    )  # fmt: skip
+    own = [r for r in rows if r["preset"] is None]
+    assert own and not any(r["fits"] for r in own)
+    assert any("host RAM" in r["reason"] for r in own)
+    rec = plan.recommendation(rows)
+    assert rec is not None and rec["preset"] in ("medium", "small", "tiny")
+
+
+def test_cheapest_fit_says_nothing_fits_with_the_reason():
+    rows = plan.cheapest_fit(
+        _published("deepseek-v3"), seq_len=4096, micro_batch=1, world=1, zero_stage=2,
+        precision="bf16", gpu_mem_bytes=1 * GB, host_mem_bytes=1 * GB,
+    )  # fmt: skip
+    assert plan.recommendation(rows) is None
+    assert rows and all(not r["fits"] and r["reason"] for r in rows)
+
+
+def test_cheapest_fit_as_configured_when_it_fits():
+    rows = plan.cheapest_fit(
+        model_config("medium", 32000), seq_len=1024, micro_batch=4, world=3, zero_stage=2,
+        precision="fp16", gpu_mem_bytes=CARD,
+    )  # fmt: skip
+    assert len(rows) == 1 and rows[0]["recommended"] and rows[0]["strategy"] == "ZeRO-2 + micro 4"
+
+
+def test_plan_table_is_aligned_and_complete():
+    text = plan.plan_table(
+        model_config("medium", 32000), seq_len=1024, micro_batch=4, world=3, precision="bf16",
+        gpu_mem_bytes=CARD,
+    )  # fmt: skip
+    lines = text.splitlines()
+    assert "per-GPU GB" in lines[0] and set(lines[1]) <= {"-", " "}
+    assert len(lines) == 2 + 2 * (1 + 2 + 2 + 3)  # ZeRO-0 has no offload; ZeRO-3 has two
+    assert sum("opt+param" in line for line in lines) == 2
+    fits_col = lines[0].index("fits")
+    assert all(line[fits_col:].strip() in ("yes", "no") for line in lines[2:])
+    # ZeRO-2 no offload no checkpointing fits (the rtx4090x3 profile's setup)
+    row = next(r for r in lines[2:] if re.match(r"\s*2\s+none\s+no\s", r))
+    assert row.rstrip().endswith("yes")
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def test_summary_sizes_and_flops():
+    from dsflow.flops import flops_per_token
+
+    config = model_config("medium", 32000)
+    P = param_counts(config)["total"]
+    s = plan.summary(config, seq_len=1024, tokens_per_step=48 * 1024, precision="bf16",
+                     zero_stage=2, keep_checkpoints=2)  # fmt: skip
+    assert s["flops_per_token"] == flops_per_token(config, 1024)
+    assert s["checkpoint_bytes"] == 14 * P  # 16-bit module + fp32 master + Adam m, v
+    assert s["export_bytes"] == 2 * P
+    assert s["disk_bytes"] == 3 * 14 * P + 2 * P
+    assert s["params_activated"] == param_counts(config)["activated"]
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def test_check_fits(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    params = _params("profiles/rtx4090x3.yaml")
+    assert plan.check_fits(params, 3, "cpu", None) is None  # nothing to check on CPU
+    assert plan.check_fits(params, 3, "cuda", CARD) is None  # medium fits
+    big = copy.deepcopy(params)
+    big["model"]["preset"] = "deepseek-v2"
+    big["tokenizer"]["pretrained"] = "deepseek-ai/DeepSeek-V2"
+    with pytest.raises(UsageError) as err:
+        plan.check_fits(big, 3, "cuda", CARD)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert re.search(r"needs [\d,.]+ GB per GPU but 24\.0 GB available", msg), msg
+    assert "16-bit weights" in msg
+    assert "cheapest fit:" in msg or "nothing fits" in msg
+
+
+def test_resolve_vocab_sources(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    params = _params()
+    assert plan.resolve(params, _args("--gpu-mem", "24")).vocab_source == "tokenizer.vocab_size"
+    req = plan.resolve(params, _args("--model", "deepseek-v2", "--gpu-mem", "24"))
+    assert req.vocab_size == 102400 and req.preset == "deepseek-v2"
+    assert plan.resolve(params, _args("--model", "medium")).vocab_size == 32000
+    index = tmp_path / "data/shards/train/index.json"
+    index.parent.mkdir(parents=True)
+    index.write_text(json.dumps({"vocab_size": 5000}))
+    req = plan.resolve(params, _args("--micro-batch", "2", "--zero", "3", "--gpus", "2"))
+    assert (req.vocab_size, req.vocab_source) == (5000, "data/shards/train/index.json")
+    assert (req.micro_batch, req.zero_stage, req.world) == (2, 3, 2)
+    with pytest.raises(UsageError):
+        plan.resolve(params, _args("--offload-params"))  # needs ZeRO-3
+
+
+def test_run_writes_a_deterministic_report(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    params = _params("profiles/rtx4090x3.yaml")
+    args = _args("--model", "deepseek-v2", "--gpus", "3", "--gpu-mem", "24")
+    plan.run(params, args)
+    first = (tmp_path / "reports/plan.json").read_bytes()
+    out = capsys.readouterr().out
+    assert "per-GPU GB" in out and "16-bit weights alone are 471.5 GB" in out
+    plan.run(params, args)
+    assert (tmp_path / "reports/plan.json").read_bytes() == first
+    rep = json.loads(first)
+    assert {"estimate", "verdict", "recommendation", "summary", "strategies", "table"} <= set(rep)
+    assert rep["verdict"]["fits"] is False
+    assert rep["recommendation"]["fits"] and rep["recommendation"]["gpu_bytes"] <= CARD
+    assert rep["request"]["gpu_mem_bytes"] == CARD and rep["request"]["world"] == 3
+    assert list(rep) == sorted(rep)
+    assert not list(tmp_path.glob("reports/.*tmp*"))
+
+    plan.run(params, _args("--gpu-mem", "24"))  # the profile itself: medium fits
+    rep = json.loads((tmp_path / "reports/plan.json").read_text())
+    assert rep["verdict"]["fits"] is True and rep["request"]["preset"] == "medium"
+
+
+def test_run_without_gpu_memory_still_reports(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DSFLOW_PROFILES", raising=False)
+    plan.run(_params(), _args())
+    rep = json.loads((tmp_path / "reports/plan.json").read_text())
+    if not torch.cuda.is_available():
+        assert rep["verdict"]["fits"] is None and "--gpu-mem" in rep["verdict"]["reason"]
+        assert rep["strategies"] == [] and all(r["fits"] is None for r in rep["table"])
+    assert rep["summary"]["params_total"] > 0
