@@ -101,6 +101,14 @@ def previous_run() -> tuple[str, dict, dict] | None:
     return None
 
 
+def predicted_memory_gb(train: dict) -> float | None:
+    """The planner's per-GPU allocation (reports/plan.json); comparable on CUDA only."""
+    if train.get("device") != "cuda":
+        return None
+    allocated = read_json("reports/plan.json").get("estimate", {}).get("gpu", {}).get("allocated")
+    return allocated / 1e9 if allocated else None
+
+
 def figure_pngs(train: dict, eval_details: Path) -> dict[str, str]:
     """Plots as {name: path}; written into the temp figure dir by the caller."""
     import matplotlib
@@ -146,14 +154,14 @@ def figure_pngs(train: dict, eval_details: Path) -> dict[str, str]:
         save("throughput", fig)
     memory = train.get("peak_memory_gb_per_rank") or []
     if memory:
-        plan = read_json("reports/plan.json")
         fig, ax = plt.subplots(figsize=(7, 2.8))
         ax.bar([f"rank {i}" for i in range(len(memory))], memory, label="measured")
-        predicted = plan.get("estimate", {}).get("total_gb")
+        predicted = predicted_memory_gb(train)
         if predicted:
-            ax.axhline(predicted, color="tab:red", ls="--", label=f"predicted {predicted:.2f} GB")
+            ax.axhline(predicted, color="tab:red", ls="--", label=f"planned {predicted:.2f} GB")
             ax.legend()
-        ax.set(ylabel="GB", title="Peak memory per rank")
+        what = "allocated" if train.get("device") == "cuda" else "host RSS"
+        ax.set(ylabel="GB", title=f"Peak memory per rank ({what})")
         save("memory", fig)
     load = read_json(eval_details / "expert_load.json")
     if load:
@@ -254,6 +262,18 @@ def build_markdown(params, train, evalm, details, prov, comparison, figure_names
         "wall_s",
     ]
     parts += [md_table([[k, fmt(train.get(k))] for k in keys], ["metric", "value"]), ""]
+    predicted = predicted_memory_gb(train)
+    if predicted:
+        rows = [
+            [f"rank {i}", f"{predicted:.2f}", f"{m:.2f}", f"{100 * (predicted - m) / m:+.1f}%"]
+            for i, m in enumerate(train.get("peak_memory_gb_per_rank", []))
+        ]
+        parts += [
+            "Planned vs measured peak GPU memory (allocated):",
+            "",
+            md_table(rows, ["rank", "planned GB", "measured GB", "error"]),
+            "",
+        ]
     for name in figure_names:
         parts += [f"![{name}](figures/{name}.png)", ""]
     parts += ["## Evaluation", ""]

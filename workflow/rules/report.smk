@@ -26,6 +26,7 @@ rule report:
         "metrics/train.json",
         "metrics/eval.json",
         "reports/eval",
+        "reports/plan.json",
     output:
         report("reports/report.html", category="Report", labels={"type": "html"}),
         report("reports/report.md", category="Report", labels={"type": "markdown"}),
