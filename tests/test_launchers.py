@@ -1,0 +1,44 @@
+"""Both launch options start the same ranks and train the same model."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from conftest import dsflow, update_params
+
+pytestmark = pytest.mark.slow
+
+RUN = {
+    "model": {"preset": "tiny"},
+    "train": {
+        "device": "cpu",
+        "gpus": 2,
+        "precision": "fp32",
+        "seq_len": 32,
+        "micro_batch": 2,
+        "max_steps": 3,
+        "eval_every": 3,
+        "eval_batches": 1,
+        "checkpoint_every": 3,
+    },
+}
+
+
+def curve(repo):
+    rows = (repo / "dvclive/plots/metrics/train/loss.tsv").read_text().splitlines()[1:]
+    return [float(r.split("\t")[1]) for r in rows]
+
+
+def test_deepspeed_launcher_matches_torchrun(prepared, tmp_path):
+    curves = {}
+    for launcher in ("torchrun", "deepspeed"):
+        repo = tmp_path / launcher
+        shutil.copytree(prepared, repo)
+        update_params(repo, RUN)
+        update_params(repo, {"train": {"launcher": launcher}})
+        dsflow("train", cwd=repo, timeout=600)
+        curves[launcher] = curve(repo)
+    assert len(curves["torchrun"]) == 3
+    assert curves["deepspeed"] == pytest.approx(curves["torchrun"], rel=1e-6)
