@@ -113,7 +113,7 @@ def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
     repo = git_dvc_repo(tmp_path / "dvc")
     update_params(repo, TINY_TRAIN)
     out = run(["dvc", "repro", "train"], cwd=repo)
-    assert dvc_ran(out.stdout) == {*DATA_STAGES, "train"}
+    assert dvc_ran(out.stdout) == {*DATA_STAGES, "plan", "train"}
     assert (repo / "models/final/config.json").exists()
     assert dvc_ran(run(["dvc", "repro", "train"], cwd=repo).stdout) == set()
 
