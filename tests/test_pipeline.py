@@ -127,7 +127,7 @@ def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
     run(["git", "commit", "-qm", "run 1"], cwd=repo)
     update_params(repo, {"train": {"optimizer": {"lr": 0.001}}})
     out = run(["dvc", "repro"], cwd=repo)
-    assert dvc_ran(out.stdout) == {"train", "evaluate", "report"}
+    assert dvc_ran(out.stdout) == {"plan", "train", "evaluate", "report"}
     run(["git", "add", "-A"], cwd=repo)
     run(["git", "commit", "-qm", "run 2"], cwd=repo)
     diff = run(["dvc", "metrics", "diff", "HEAD~1", "HEAD"], cwd=repo).stdout
