@@ -1,22 +1,66 @@
 """Atomic, deterministic outputs: build in a temp path next to the target, rename when complete.
 
 A stage killed midway leaves only a `.tmp-*` sibling, never something that looks done; the next
-run removes stale temps of the same target before it starts.
+run removes stale temps of the same target before it starts. Contents are fsynced before the
+rename and the parent directory after it, so a power loss cannot leave a renamed but empty
+output either. Replacing an existing output swaps the two in one `renameat2(RENAME_EXCHANGE)`
+where the kernel has it, so the old output stays in place until the new one takes over.
+
+Test hook: DSFLOW_FAULT_ATOMIC=<name> SIGKILLs the process right before the final rename of the
+output called <name> (e.g. `raw`, `tokens`, `shards`): everything is written, nothing is done.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 
 def _clear_stale(final: Path) -> None:
     for stale in final.parent.glob(f".{final.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(True)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Persist a directory's entries (renames, new files); a no-op where not supported."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fault_before_rename(final: Path) -> None:
+    if os.environ.get("DSFLOW_FAULT_ATOMIC") == final.name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
 @contextlib.contextmanager
@@ -30,13 +74,19 @@ def atomic_dir(final: str | Path):
     try:
         yield tmp
         _fsync_tree(tmp)
+        _fault_before_rename(final)
         if final.exists():
-            old = final.parent / f".{final.name}.tmp-old-{os.getpid()}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
+            if _exchange(tmp, final):  # tmp now holds the old output
+                fsync_dir(final.parent)
+                shutil.rmtree(tmp)
+            else:
+                old = final.parent / f".{final.name}.tmp-old-{os.getpid()}"
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old)
         else:
             tmp.rename(final)
+        fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -64,11 +114,15 @@ def _fsync_tree(root: Path) -> None:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+    for path in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        fsync_dir(path)
 
 
 def write_json(path: str | Path, obj) -> None:
-    """JSON with sorted keys and a trailing newline, so equal content is equal bytes."""
-    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    """JSON with sorted keys and a trailing newline, so equal content is equal bytes; written
+    atomically (a kill never leaves half a file)."""
+    with atomic_file(path) as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:

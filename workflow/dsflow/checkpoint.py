@@ -3,17 +3,43 @@
 A checkpoint is only resumed when the run it came from trained the same thing: `fingerprint`
 hashes every param that changes the math (model, data, batch, optimizer, schedule shape), but not
 the budget, so raising max_steps continues a run while changing lr starts a new one.
+
+Saving is atomic (see docs/reliability.md). DeepSpeed's `save_checkpoint(dir, tag)` writes the tag
+directory rank by rank and then `latest`, with no barrier in between: a kill at the wrong moment
+leaves `latest` naming a torn tag. dsflow saves into a temporary tag (`.tmp-stepNNNNNNNN`), and
+only after every rank has finished does rank 0 write a manifest (`dsflow_checkpoint.json`: every
+file and its size), fsync, rename the temp tag to its final name and atomically replace `latest`.
+So a `stepNNNNNNNN` directory is complete by construction; resume still validates it
+(`validate_tag`) and falls back to the newest complete tag when the one `latest` names is not.
+
+`checkpoints/.lock` (flock) is held by the train stage for its whole run: two runs never write
+the same checkpoints. `checkpoints/.stop` asks the ranks to checkpoint and stop at the next step
+boundary (what the train stage does on SIGTERM / SIGINT).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+from dsflow.atomic import atomic_file, fsync_dir
+from dsflow.errors import UsageError
 
 CHECKPOINTS = Path("checkpoints")
 TAG_PREFIX = "step"
+TEMP_PREFIX = ".tmp-"
+MANIFEST = "dsflow_checkpoint.json"
+MODEL_FILE = "mp_rank_00_model_states.pt"
+LOCK_FILE = ".lock"
+STOP_FILE = ".stop"
+ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 # Params that may change between a run and its resumption.
 RESUMABLE_KEYS = {
@@ -28,6 +54,7 @@ RESUMABLE_KEYS = {
     "launcher",
     "master_port",
     "force",
+    "max_bad_steps",
 }
 
 
@@ -50,16 +77,161 @@ def tag_for(step: int) -> str:
     return f"{TAG_PREFIX}{step:08d}"
 
 
+def step_of(tag: str) -> int:
+    return int(tag[len(TAG_PREFIX) :])
+
+
+def temp_tag(tag: str) -> str:
+    """Where a checkpoint is written before it is complete (never picked up by resume)."""
+    return f"{TEMP_PREFIX}{tag}"
+
+
 def tags(root: Path = CHECKPOINTS) -> list[str]:
-    return sorted(p.name for p in root.glob(f"{TAG_PREFIX}*") if p.is_dir())
+    found = root.glob(f"{TAG_PREFIX}*")
+    return sorted(p.name for p in found if p.is_dir() and p.name[len(TAG_PREFIX) :].isdigit())
 
 
 def latest_tag(root: Path = CHECKPOINTS) -> str | None:
+    """The tag `latest` names, if that directory exists (not validated: see `resume_tag`)."""
     marker = root / "latest"
-    if not marker.exists():
+    try:
+        tag = marker.read_text().strip()
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
         return None
-    tag = marker.read_text().strip()
-    return tag if (root / tag).is_dir() else None
+    return tag if tag and (root / tag).is_dir() else None
+
+
+def _structure_problem(names: set[str], world: int | None, zero: bool | None) -> str | None:
+    if MODEL_FILE not in names:
+        return f"{MODEL_FILE} missing"
+    ranks = {int(m.group(1)) for n in names if (m := ZERO_FILE.match(n))}
+    if world is not None and (ranks or zero):
+        missing = sorted(set(range(world)) - ranks)
+        if missing:
+            return f"optimizer state of rank(s) {', '.join(map(str, missing))} missing"
+    return None
+
+
+def validate_tag(
+    root: Path, tag: str, world: int | None = None, zero: bool | None = None
+) -> str | None:
+    """None when `root/tag` is a complete checkpoint, else what is wrong with it.
+
+    Complete: its manifest lists files that all exist with their recorded sizes, and the layout
+    is DeepSpeed's (mp_rank_00_model_states.pt, plus one zero_pp_rank_R_..._optim_states.pt per
+    rank R when the optimizer is partitioned, `zero`). A tag without a manifest (saved by an
+    older dsflow, or by DeepSpeed directly) is judged by the layout alone.
+    """
+    path = root / tag
+    if not path.is_dir():
+        return "no such directory"
+    manifest = path / MANIFEST
+    if manifest.exists():
+        try:
+            info = json.loads(manifest.read_text())
+            files = dict(info["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{MANIFEST} unreadable"
+        for name, size in sorted(files.items()):
+            try:
+                actual = (path / name).stat().st_size
+            except OSError:
+                return f"{name} missing"
+            if actual != size:
+                return f"{name} is {actual} bytes, the manifest says {size} (truncated)"
+        if world is not None and info.get("world", world) != world:
+            return f"saved by {info.get('world')} rank(s), this run has {world}"
+        return _structure_problem(set(files), world, info.get("zero", zero))
+    try:
+        names = {p.name for p in path.iterdir() if p.is_file() and p.stat().st_size > 0}
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    return _structure_problem(names, world, zero)
+
+
+def resume_tag(
+    root: Path = CHECKPOINTS,
+    world: int | None = None,
+    zero: bool | None = None,
+    note: Callable[[str], None] = lambda msg: None,
+) -> str | None:
+    """The checkpoint to resume from: the newest complete tag, normally the one `latest` names.
+
+    `note` receives one line whenever the choice differs from `latest` (a torn or missing tag,
+    or a newer complete tag that `latest` was not moved to because the save was interrupted
+    between the rename and the `latest` update).
+    """
+    named = None
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        named = (root / "latest").read_text().strip() or None
+    problems = {}
+    complete = []
+    for tag in tags(root):
+        problem = validate_tag(root, tag, world, zero)
+        if problem:
+            problems[tag] = problem
+        else:
+            complete.append(tag)
+    best = complete[-1] if complete else None
+    if named is None:
+        if best:
+            note(
+                f"checkpoints/latest is missing; resuming from {best}, the newest complete checkpoint"
+            )
+        return best
+    if named == best:
+        return best
+    if named in problems:
+        why = f"{named}, which is incomplete ({problems[named]})"
+    elif named in complete:
+        why = f"{named}, but the newer {best} is complete (a save stopped before moving latest)"
+    else:
+        why = f"{named}, which does not exist"
+    if best:
+        note(f"checkpoints/latest names {why}: resuming from {best}")
+    else:
+        note(f"checkpoints/latest names {why}, and no other checkpoint is complete: starting fresh")
+    return best
+
+
+def set_latest(root: Path, tag: str) -> None:
+    """Point `latest` at `tag` atomically (temp file + fsync + rename + fsync of the directory)."""
+    with atomic_file(root / "latest") as f:
+        f.write(tag)
+    fsync_dir(root)
+
+
+def write_manifest(root: Path, tmp: str, step: int, world: int, zero: bool) -> None:
+    """Record every file of the (temporary) tag with its size, after fsyncing each."""
+    path = root / tmp
+    files = {}
+    for file in sorted(path.iterdir()):
+        if file.is_file() and file.name != MANIFEST:
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+            files[file.name] = file.stat().st_size
+    with atomic_file(path / MANIFEST) as f:
+        json.dump({"step": step, "world": world, "zero": zero, "files": files}, f, indent=1)
+    fsync_dir(path)
+
+
+def commit(root: Path, tmp: str, tag: str) -> None:
+    """Make a fully written temporary tag the checkpoint `tag`: rename, then move `latest`."""
+    final = root / tag
+    if final.exists():  # the same step saved before (e.g. a resumed run re-saving its last step)
+        shutil.rmtree(final)
+    os.rename(root / tmp, final)
+    fsync_dir(root)
+    set_latest(root, tag)
+
+
+def remove_temp_tags(root: Path = CHECKPOINTS) -> list[str]:
+    """Delete temporary tags left by interrupted saves; returns their names."""
+    removed = []
+    for p in sorted(root.glob(f"{TEMP_PREFIX}{TAG_PREFIX}*")):
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p.name)
+    return removed
 
 
 def prune(root: Path, keep: int) -> list[str]:
@@ -77,4 +249,61 @@ def clear(root: Path = CHECKPOINTS) -> None:
     """Remove a previous run's checkpoints (a different fingerprint cannot be resumed)."""
     for tag in tags(root):
         shutil.rmtree(root / tag, ignore_errors=True)
+    remove_temp_tags(root)
     (root / "latest").unlink(missing_ok=True)
+
+
+def tag_bytes(root: Path, tag: str | None) -> int:
+    if not tag or not (root / tag).is_dir():
+        return 0
+    return sum(p.stat().st_size for p in (root / tag).iterdir() if p.is_file())
+
+
+class RunLock:
+    """`checkpoints/.lock`, an exclusive flock held for the whole train stage.
+
+    The file holds the holder's PID (and its launcher's, once started), so a second run can say
+    who holds it. The lock dies with the process (and the launcher, which inherits the
+    descriptor), so a killed run never leaves a stale lock behind; the file is removed at exit.
+    """
+
+    def __init__(self, root: Path = CHECKPOINTS):
+        self.path = root / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise UsageError(
+                f"{self.path} is held by another train run in this directory (PID {holder}); "
+                "wait for it to finish or stop it (kill -TERM <pid>), then rerun"
+            ) from None
+        self.fd = fd
+        self.write_holder(str(os.getpid()))
+        return self
+
+    def write_holder(self, text: str) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, (text + "\n").encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("finished, wall_s=%.1f", time.perf_counter() - start)
     except UsageError as e:
         print(f"dsflow {args.stage}: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         print(f"dsflow {args.stage}: interrupted", file=sys.stderr)
         return 130

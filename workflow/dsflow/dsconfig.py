@@ -150,19 +150,30 @@ def merge_user(cfg: dict, path: str | Path) -> dict:
     """Merge a user's ds_config.json over `cfg`, keeping the batch arithmetic consistent."""
     path = Path(path)
     try:
-        user = json.loads(path.read_text())
+        user = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise UsageError(f"train.ds_config: {path} not found") from None
+    except IsADirectoryError:
+        raise UsageError(f"train.ds_config: {path} is a directory, not a JSON file") from None
+    except OSError as e:
+        raise UsageError(f"train.ds_config: cannot read {path} ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not valid UTF-8 at byte {e.start}") from None
     except json.JSONDecodeError as e:
         raise UsageError(
             f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
         ) from None
+    except RecursionError:
+        raise UsageError(f"{path}: nested too deeply to read") from None
     if not isinstance(user, dict):
         raise UsageError(f"{path}: expected a JSON object at the top")
+    for key in SECTIONS:
+        if key in user and not isinstance(user[key], dict):
+            raise UsageError(f"{path}: {key} must be a JSON object, got {_show(user[key])}")
     for key in DERIVED:
         if key in user and user[key] != cfg[key] and user[key] != "auto":
             raise UsageError(
-                f"{path}: {key} {user[key]} differs from params.yaml's {cfg[key]} "
+                f"{path}: {key} {_show(user[key])} differs from params.yaml's {cfg[key]} "
                 f"(micro_batch {cfg['train_micro_batch_size_per_gpu']} x grad_accum "
                 f"{cfg['gradient_accumulation_steps']} x ranks); set it in params.yaml's train "
                 "section instead, or remove it from the file"
@@ -172,6 +183,16 @@ def merge_user(cfg: dict, path: str | Path) -> dict:
     if merged.get("fp16", {}).get("enabled") and merged.get("bf16", {}).get("enabled"):
         raise UsageError(f"{path}: fp16 and bf16 are both enabled; keep one (train.precision)")
     stage = merged.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise UsageError(f"{path}: zero_optimization.stage {stage!r} is not one of 0, 1, 2, 3")
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise UsageError(f"{path}: zero_optimization.stage {_show(stage)} is not one of 0, 1, 2, 3")
     return merged
+
+
+# Sections of a DeepSpeed config that are objects (DeepSpeed fails obscurely on anything else).
+SECTIONS = ("fp16", "bf16", "zero_optimization", "optimizer", "scheduler")
+
+
+def _show(value) -> str:
+    """A user's value in a one-line message."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -33,15 +33,23 @@ def read_yaml(path: str | Path) -> dict:
     """A YAML mapping from `path`; a missing, unreadable or non-mapping file is a UsageError."""
     path = Path(path)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise UsageError(f"{path}: file not found") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or "invalid YAML"
+        problem = one_line(getattr(e, "problem", None) or "invalid YAML")
         raise UsageError(f"{path}:{where}: {problem} (fix the YAML syntax)") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not valid UTF-8 at byte {e.start}; save it as UTF-8") from None
+    except ValueError as e:  # a value YAML cannot construct, e.g. the date 2024-13-45
+        raise UsageError(f"{path}: invalid value ({one_line(str(e))}); fix or quote it") from None
+    except RecursionError:
+        raise UsageError(f"{path}: nested too deeply to read") from None
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read ({e.strerror or e})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -49,6 +57,11 @@ def read_yaml(path: str | Path) -> dict:
             f"{path}: expected a mapping of keys at the top, got {type(data).__name__}"
         )
     return data
+
+
+def one_line(text: str) -> str:
+    """`text` with line breaks and other control characters escaped: messages stay one line."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(text))
 
 
 def deep_merge(base: dict, overlay: dict) -> dict:
@@ -94,14 +107,15 @@ def _format_error(err: jsonschema.ValidationError, source: str) -> str:
     key = ".".join(str(p) for p in err.absolute_path) or "(top level)"
     if err.validator == "additionalProperties":
         allowed = sorted(err.schema.get("properties", {}))
-        unknown = sorted(set(err.instance) - set(allowed))
+        unknown = sorted(set(err.instance) - set(allowed), key=str)
         where = f"{key}." if err.absolute_path else ""
         return (
             f"{source}: unknown key {where}{unknown[0]} (allowed under {key}: {', '.join(allowed)})"
         )
     if err.validator == "required":
         return f"{source}: {key}: missing required key ({err.message})"
-    return f"{source}: {key}: {json.dumps(err.instance)} is not allowed (allowed: {_describe_allowed(err.schema)})"
+    value = json.dumps(err.instance, default=str)
+    return f"{source}: {key}: {value} is not allowed (allowed: {_describe_allowed(err.schema)})"
 
 
 def validate(params: dict, source: str = "params.yaml") -> dict:
@@ -114,7 +128,7 @@ def validate(params: dict, source: str = "params.yaml") -> dict:
     if errors:
         # Deepest first: an error inside a section says more than "section is invalid".
         err = max(errors, key=lambda e: len(e.absolute_path))
-        raise UsageError(_format_error(err, source))
+        raise UsageError(one_line(_format_error(err, source)))
     return fill_defaults(params, schema)
 
 

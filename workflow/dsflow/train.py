@@ -1,18 +1,27 @@
 """Stage `train`: resolve the run, write its DeepSpeed config, launch one process per rank, wait.
 
 Everything that can be wrong with the request (batch arithmetic, GPUs that are not there, a
-vocabulary that does not match a pretrained model, a bad ds_config.json) fails here, in one line,
-before any rank starts.
+vocabulary that does not match a pretrained model, a bad ds_config.json, a corrupted shard) fails
+here, in one line, before any rank starts.
+
+While the ranks run, the stage holds checkpoints/.lock (a second run in the same directory fails
+at once), forwards SIGTERM / SIGINT as a request to checkpoint at the next step boundary (a second
+signal stops the launcher at once), and turns a rank's failure into one line. See
+docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from dsflow import checkpoint as ckpt
@@ -23,6 +32,14 @@ from dsflow.errors import UsageError
 from dsflow.progress import log
 
 SHARDS = Path("data/shards")
+
+
+class Interrupted(UsageError):
+    """The run was stopped by a signal (one line, exit code 128 + signal number)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def resolve_device(train: dict) -> tuple[str, int]:
@@ -85,10 +102,10 @@ def plan_run(params: dict) -> dict:
     ds_config = dsconfig.build(train, batch, steps, device)
     if train["ds_config"]:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
+    # Every shard's sha256 is checked here, once, so a corrupted shard is one line naming the
+    # file, not a traceback from every rank (the ranks then skip the check).
     data_sha = ":".join(
-        s["sha256"]
-        for split in ("train", "val")
-        for s in load_index(SHARDS / split, False)["shards"]
+        s["sha256"] for split in ("train", "val") for s in load_index(SHARDS / split)["shards"]
     )
     return {
         "params": params,
@@ -98,6 +115,7 @@ def plan_run(params: dict) -> dict:
         "steps": steps,
         "vocab_size": vocab,
         "fingerprint": ckpt.fingerprint(params, world, data_sha),
+        "data_verified": True,
         "ds_config": ds_config,
     }
 
@@ -152,17 +170,35 @@ def launch_env(plan: dict) -> dict:
     return env
 
 
+def _previous_fingerprint(root: Path) -> str | None:
+    try:
+        return json.loads((root / "run.json").read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def zero_partitioned(plan: dict) -> bool | None:
+    """Whether every rank saves an optimizer partition (None: not known for sure)."""
+    return True if plan["ds_config"].get("zero_optimization", {}).get("stage", 0) else None
+
+
 def prepare_run_dir(plan: dict) -> None:
+    """Clean up after interrupted runs and pick the checkpoint to resume (plan["resume"])."""
     root = ckpt.CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
-    previous = root / "run.json"
-    if ckpt.latest_tag(root) and previous.exists():
-        old = json.loads(previous.read_text()).get("fingerprint")
-        if old != plan["fingerprint"]:
-            log.info("checkpoints/ holds a different run (params changed): starting fresh")
-            ckpt.clear(root)
-    elif not ckpt.latest_tag(root):
+    for name in ckpt.remove_temp_tags(root):
+        log.info("removed %s/%s, left by an interrupted checkpoint save", root, name)
+    (root / ckpt.STOP_FILE).unlink(missing_ok=True)
+    resume = ckpt.resume_tag(root, plan["world"], zero_partitioned(plan), note=log.info)
+    if resume and _previous_fingerprint(root) != plan["fingerprint"]:
+        log.info("checkpoints/ holds a different run (params changed): starting fresh")
+        resume = None
+    if resume:
+        if ckpt.latest_tag(root) != resume:
+            ckpt.set_latest(root, resume)
+    else:
         ckpt.clear(root)
+    plan["resume"] = resume
     write_json(root / "ds_config.json", plan["ds_config"])
     write_json(root / "run.json", {k: v for k, v in plan.items() if k != "ds_config"})
 
@@ -184,6 +220,63 @@ def preflight(params: dict, plan: dict) -> dict:
     return doctor.nccl_env(facts) if plan["device"] == "cuda" else {}
 
 
+def _die_with_parent():
+    """preexec_fn for the launcher: SIGTERM it when this process dies, even by SIGKILL (Linux),
+    so a killed stage never leaves ranks running (they checkpoint and stop, see worker.Stop)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def setup():
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
+
+
+class SignalForwarder:
+    """While the ranks run: the first SIGTERM / SIGINT asks them (checkpoints/.stop) to save a
+    checkpoint at the next step boundary and stop; a second one stops the launcher at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, root: Path):
+        self.stop_file = root / ckpt.STOP_FILE
+        self.received: list[int] = []
+        self.proc: subprocess.Popen | None = None
+        self.previous: dict = {}
+
+    def __enter__(self) -> SignalForwarder:
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def handle(self, signum, frame) -> None:
+        self.received.append(signum)
+        name = signal.Signals(signum).name
+        if len(self.received) == 1:
+            with contextlib.suppress(OSError):
+                self.stop_file.touch()
+            print(
+                f"[dsflow train] {name}: the ranks checkpoint at the next step boundary and stop "
+                "(send it again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif self.proc is not None and self.proc.poll() is None:
+            print(
+                f"[dsflow train] {name} again: stopping the launcher", file=sys.stderr, flush=True
+            )
+            self.proc.send_signal(signal.SIGTERM)
+
+
 def run(params: dict) -> None:
     if params["train"]["zero_stage"] == 3:
         raise UsageError(
@@ -194,6 +287,13 @@ def run(params: dict) -> None:
     nccl = preflight(params, plan)
     for key, value in nccl.items():
         log.info("setting %s=%s for this machine (see python -m dsflow doctor)", key, value)
+    with ckpt.RunLock(ckpt.CHECKPOINTS) as lock:
+        _run_locked(plan, nccl, lock)
+    log.info("done: models/final, metrics/train.json")
+
+
+def _run_locked(plan: dict, nccl: dict, lock: ckpt.RunLock) -> None:
+    root = ckpt.CHECKPOINTS
     prepare_run_dir(plan)
     batch = plan["batch"]
     log.info(
@@ -205,18 +305,52 @@ def run(params: dict) -> None:
         plan["world"],
         batch["global"],
         plan["steps"],
-        ckpt.latest_tag(ckpt.CHECKPOINTS) or "none",
+        plan["resume"] or "none",
     )
-    proc = subprocess.Popen(launch_command(plan), env={**launch_env(plan), **nccl})
+    status_dir = Path(tempfile.mkdtemp(prefix="dsflow-train-"))
+    status_file = status_dir / "status"
+    env = {**launch_env(plan), **nccl, "DSFLOW_STATUS_FILE": str(status_file)}
     try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        # Forward to the launcher: ranks checkpoint at the next step boundary and exit.
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait()
-    if code != 0:
-        raise UsageError(
-            f"training failed (launcher exit {code}); see the rank output above. "
-            "Rerun to resume from the last checkpoint"
-        )
-    log.info("done: models/final, metrics/train.json")
+        with SignalForwarder(root) as forwarder:
+            # Its own session: a terminal's Ctrl-C reaches this process only, which turns it
+            # into a checkpoint-and-stop request instead of the launcher's 30 s kill timer.
+            proc = subprocess.Popen(
+                launch_command(plan),
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(),
+                pass_fds=(lock.fd,),  # the launcher holds the lock until its ranks are gone
+            )
+            forwarder.proc = proc
+            lock.write_holder(f"{os.getpid()}, launcher {proc.pid}")
+            try:
+                code = proc.wait()
+            except BaseException:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait()
+                raise
+        status = status_file.read_text().strip() if status_file.exists() else ""
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
+        (root / ckpt.STOP_FILE).unlink(missing_ok=True)
+        # Every rank is gone: what an interrupted save left behind only takes space.
+        for name in ckpt.remove_temp_tags(root):
+            log.info("removed %s/%s, left by an interrupted checkpoint save", root, name)
+    if status:  # a rank's one-line reason (the ranks may even have exited cleanly)
+        raise UsageError(status.splitlines()[0])
+    last = ckpt.resume_tag(root, plan["world"], zero_partitioned(plan))
+    if forwarder.received and not (code == 0 and last and ckpt.step_of(last) >= plan["steps"]):
+        name = signal.Signals(forwarder.received[0]).name
+        if last and last != plan["resume"]:
+            what = f"checkpoint {last} saved; rerun to resume from it"
+        elif last:
+            what = f"stopped before a new checkpoint was saved; rerun to resume from {last}"
+        else:
+            what = "stopped before any checkpoint was saved; rerun to start over"
+        raise Interrupted(f"interrupted by {name}: {what}", 128 + forwarder.received[0])
+    if code == 0:
+        return
+    resume = (
+        f"rerun to resume from {last}" if last else "no checkpoint was saved: rerun to start over"
+    )
+    raise UsageError(f"training failed (launcher exit {code}); see the rank output above; {resume}")

@@ -8,14 +8,19 @@ validate, checkpoint, export.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import random
 import resource
+import shutil
 import signal
+import statistics
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -36,9 +41,20 @@ FINAL = Path("models/final")
 METRICS = Path("metrics/train.json")
 LIVE_DIR = Path("dvclive")
 
+EXIT_FATAL = 3  # a one-line reason is in DSFLOW_STATUS_FILE (the train stage prints it)
+EXIT_STOPPED = 143  # stopped on request (SIGTERM / SIGINT / checkpoints/.stop), checkpoint saved
+
+# Grad-norm spike: a step's norm above SPIKE_FACTOR x the median of the last SPIKE_WINDOW norms
+# (once SPIKE_MIN_HISTORY are known) is logged as train/grad_norm_spike (the ratio).
+SPIKE_FACTOR = 5.0
+SPIKE_WINDOW = 100
+SPIKE_MIN_HISTORY = 10
+
 
 class Stop:
-    """SIGTERM/SIGINT ask the loop to checkpoint and leave at the next step boundary."""
+    """SIGTERM/SIGINT ask the loop to checkpoint and leave at the next step boundary (so does
+    checkpoints/.stop, which the train stage creates when it is signalled: every rank checks it
+    and the decision is all-reduced, so all ranks stop after the same step)."""
 
     requested = False
 
@@ -143,12 +159,197 @@ def truncate_live_logs(root: Path, start: int) -> None:
         tsv.write_text(header + "".join(kept))
 
 
-def inject_fault(step: int, rank: int) -> None:
-    """Fault-injection tests: DSFLOW_FAULT_STEP=s [DSFLOW_FAULT_RANK=r] hard-kills rank r
-    right after step s, as a crash or an OOM kill would."""
-    at = os.environ.get("DSFLOW_FAULT_STEP")
-    if at and int(at) == step and rank == int(os.environ.get("DSFLOW_FAULT_RANK", "0")):
+def report_fatal(message: str) -> None:
+    """One line for the train stage to print (the first rank to fail wins), and on stderr."""
+    print(f"[dsflow train] error: {message}", file=sys.stderr, flush=True)
+    path = os.environ.get("DSFLOW_STATUS_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(message.replace("\n", " ") + "\n")
+
+
+class StepHealth:
+    """Numerical bookkeeping per optimizer step; every rank holds the same one (it sees only
+    all-reduced values), so every rank takes the same decision.
+
+    - skipped: DeepSpeed did not apply the update (fp16 loss-scale overflow, or a non-finite
+      gradient caught by ZeRO's overflow check); counted, logged as train/skipped_steps.
+    - bad: the loss itself is NaN/Inf. Its update must have been skipped; `max_bad` in a row
+      stop the run (the last good checkpoint is kept: no checkpoint is saved during a streak).
+    - spike: an applied step whose grad norm exceeds `factor` x the running median.
+    """
+
+    def __init__(
+        self,
+        max_bad: int,
+        state: dict | None = None,
+        factor: float = SPIKE_FACTOR,
+        window: int = SPIKE_WINDOW,
+        min_history: int = SPIKE_MIN_HISTORY,
+    ):
+        state = state or {}
+        self.max_bad = max_bad
+        self.skipped = int(state.get("skipped", 0))
+        self.bad = int(state.get("bad", 0))
+        self.spikes = int(state.get("spikes", 0))
+        self.norms: deque[float] = deque(state.get("norms", []), maxlen=window)
+        self.factor, self.min_history = factor, min_history
+        self.streak = 0
+        self.streak_start: int | None = None
+
+    def state(self) -> dict:
+        return {
+            "skipped": self.skipped,
+            "bad": self.bad,
+            "spikes": self.spikes,
+            "norms": list(self.norms),
+        }
+
+    def observe(self, step: int, loss: float, applied: bool, grad_norm: float | None) -> dict:
+        """Record optimizer step `step`; returns {"bad", "skipped", "spike" (ratio or None),
+        "stop" (why the run must stop, or None)}."""
+        bad = not math.isfinite(loss)
+        out = {"bad": bad, "skipped": not applied, "spike": None, "stop": None}
+        if not applied:
+            self.skipped += 1
+        if bad:
+            self.bad += 1
+            self.streak += 1
+            if self.streak == 1:
+                self.streak_start = step
+            if applied:
+                out["stop"] = (
+                    f"loss is {loss} at step {step} and DeepSpeed applied the update (this "
+                    "optimizer setup has no overflow check, e.g. ZeRO stage 0 in fp32): the "
+                    "weights are no longer finite"
+                )
+            elif self.streak >= self.max_bad:
+                span = f"step {step}" if self.streak == 1 else f"steps {self.streak_start}-{step}"
+                out["stop"] = (
+                    f"loss was non-finite ({loss}) for {self.streak} consecutive step(s) ({span}, "
+                    f"train.max_bad_steps: {self.max_bad}); their updates were skipped"
+                )
+            return out
+        self.streak, self.streak_start = 0, None
+        if applied and grad_norm is not None and math.isfinite(grad_norm):
+            if len(self.norms) >= self.min_history:
+                median = statistics.median(self.norms)
+                if median > 0 and grad_norm > self.factor * median:
+                    out["spike"] = grad_norm / median
+                    self.spikes += 1
+            self.norms.append(grad_norm)
+        return out
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+class Faults:
+    """Fault injection for the reliability tests (tests/test_reliability.py); all off unless set.
+
+    DSFLOW_FAULT_STEP=s [DSFLOW_FAULT_RANK=r, default 0] SIGKILLs rank r right after step s, as a
+    crash or an OOM kill would; with DSFLOW_FAULT_POINT=micro, inside step s instead (after its
+    first micro-step's backward, before the next). DSFLOW_FAULT_SAVE=s SIGKILLs rank r while the
+    checkpoint of step s is saved: after every rank wrote the temporary tag, before the rename.
+    DSFLOW_FAULT_ENOSPC=s makes rank r's checkpoint writes of step s fail as a full disk does
+    (a partial file, then ENOSPC). DSFLOW_FAULT_NAN_FROM_STEP=s turns the loss NaN from step s
+    on. DSFLOW_FAULT_STEP_DELAY=t sleeps t seconds per step. DSFLOW_FAULT_MARK=path: the time
+    of a kill is written there first.
+    """
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.target = _env_int("DSFLOW_FAULT_RANK") or 0
+        self.kill_step = _env_int("DSFLOW_FAULT_STEP")
+        self.point = os.environ.get("DSFLOW_FAULT_POINT", "step")
+        self.save_step = _env_int("DSFLOW_FAULT_SAVE")
+        self.enospc_step = _env_int("DSFLOW_FAULT_ENOSPC")
+        self.nan_from = _env_int("DSFLOW_FAULT_NAN_FROM_STEP")
+        self.delay = float(os.environ.get("DSFLOW_FAULT_STEP_DELAY") or 0)
+        self.mark = os.environ.get("DSFLOW_FAULT_MARK")
+
+    def _kill(self, what: str) -> None:
+        print(f"[dsflow fault] SIGKILL rank {self.rank} {what}", file=sys.stderr, flush=True)
+        if self.mark:
+            Path(self.mark).write_text(f"{time.time()}\n")
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _here(self, step: int, at: int | None) -> bool:
+        return at is not None and at == step and self.rank == self.target
+
+    def step_begins(self) -> None:
+        if self.delay:
+            time.sleep(self.delay)
+
+    def after_micro(self, step: int, micro: int) -> None:
+        if self.point == "micro" and micro == 0 and self._here(step, self.kill_step):
+            self._kill(f"inside step {step}, after micro-step {micro}")
+
+    def after_step(self, step: int) -> None:
+        if self.point == "step" and self._here(step, self.kill_step):
+            self._kill(f"after step {step}")
+
+    def in_save(self, step: int) -> None:
+        if self._here(step, self.save_step):
+            self._kill(f"while saving step {step}: temporary tag written, not yet renamed")
+
+    def nan(self, step: int) -> bool:
+        return self.nan_from is not None and step >= self.nan_from
+
+    @contextlib.contextmanager
+    def disk_full(self, engine, step: int):
+        if not self._here(step, self.enospc_step):
+            yield
+            return
+        ce = engine.checkpoint_engine
+        original = ce.save
+
+        def save(state_dict, path):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 4096)  # what a full disk leaves: a partial file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        ce.save = save
+        try:
+            yield
+        finally:
+            ce.save = original
+
+
+def save_failure(exc: BaseException, tag: str, previous: str | None, rank: int) -> str | None:
+    """The one-line reason a checkpoint write failed, or None when `exc` is not about storage."""
+    root = ckpt.CHECKPOINTS
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    need = max(ckpt.tag_bytes(root, previous), 16 << 20)
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    no_space = (
+        getattr(exc, "errno", None) == errno.ENOSPC
+        or "No space left" in reason
+        # torch.save reports a full disk as a bare RuntimeError from its zip writer
+        or (free is not None and free < need)
+    )
+    if not no_space and not isinstance(exc, OSError):
+        return None
+    rerun = f"rerun to resume from {previous}" if previous else "rerun (it starts from step 0)"
+    kept = (
+        f"the previous checkpoint {previous} is intact"
+        if previous
+        else "there is no earlier checkpoint"
+    )
+    if no_space:
+        where = f"; {free / 1e6:.0f} MB free in {root}/" if free is not None else ""
+        return (
+            f"no space left on device while saving checkpoint {tag} (rank {rank}: {reason}{where}); "
+            f"{kept}: free space (or lower train.keep_checkpoints) and {rerun}"
+        )
+    return f"cannot save checkpoint {tag} (rank {rank}: {reason}); {kept}: fix it and {rerun}"
 
 
 def main() -> int:
@@ -168,6 +369,7 @@ def main() -> int:
         device = torch.device("cpu")
     assert world == plan["world"], f"launched {world} ranks, the plan says {plan['world']}"
     Stop.install()
+    faults = Faults(rank)
 
     seed = params["seed"]
     random.seed(seed)
@@ -191,19 +393,27 @@ def main() -> int:
     balancer.sync_bias()
 
     start = 0
-    if ckpt.latest_tag(ckpt.CHECKPOINTS):
-        _, client = engine.load_checkpoint(str(ckpt.CHECKPOINTS), load_module_strict=True)
+    health_state = None
+    resume = plan.get("resume")  # validated by the train stage (checkpoint.resume_tag)
+    if resume:
+        _, client = engine.load_checkpoint(
+            str(ckpt.CHECKPOINTS), tag=resume, load_module_strict=True
+        )
         start = client["step"]
+        health_state = client.get("health")
         if len(client["rng"]) == world:
             set_rng_state(client["rng"][rank])
         if rank == 0:
             print(f"[dsflow train] resumed from step {start}", file=sys.stderr)
+    health = StepHealth(train.get("max_bad_steps", 10), health_state)
 
     micro, accum = plan["batch"]["micro"], plan["batch"]["accum"]
     steps, seq_len = plan["steps"], train["seq_len"]
     global_tokens = micro * accum * world * seq_len
-    reader = ShardReader(SHARDS / "train", seq_len, seed=seed)
-    val_reader = ShardReader(SHARDS / "val", seq_len, seed=seed)
+    # The train stage verified every shard's sha256 just before launch.
+    verify = not plan.get("data_verified", False)
+    reader = ShardReader(SHARDS / "train", seq_len, seed=seed, verify=verify)
+    val_reader = ShardReader(SHARDS / "val", seq_len, seed=seed, verify=verify)
     val_windows = train["eval_batches"] * micro * world
 
     fpt = flops_per_token(config, seq_len)
@@ -224,18 +434,48 @@ def main() -> int:
         total, count = all_sum([total, count], device)
         return total / count
 
+    last_good = resume  # the newest complete checkpoint
+
     def save(step_done: int) -> None:
-        # Every rank writes its own optimizer partition; `latest` moves only when all are done.
+        """Atomic: every rank writes into a temporary tag; once all are done rank 0 records the
+        manifest, renames it to its final name and moves `latest` (checkpoint.commit)."""
+        nonlocal last_good
+        tag = ckpt.tag_for(step_done)
+        tmp = ckpt.temp_tag(tag)
         # DeepSpeed stores client state from rank 0 only: gather every rank's RNG into it.
         states: list = [None] * world
         dist.all_gather_object(states, rng_state())
-        client = {"step": step_done, "rng": states, "fingerprint": plan["fingerprint"]}
-        engine.save_checkpoint(
-            str(ckpt.CHECKPOINTS), tag=ckpt.tag_for(step_done), client_state=client
-        )
-        dist.barrier()
+        client = {
+            "step": step_done,
+            "rng": states,
+            "fingerprint": plan["fingerprint"],
+            "health": health.state(),
+        }
+        try:
+            with faults.disk_full(engine, step_done):
+                engine.save_checkpoint(
+                    str(ckpt.CHECKPOINTS), tag=tmp, client_state=client, save_latest=False
+                )
+            faults.in_save(step_done)
+            dist.barrier()
+            if rank == 0:
+                ckpt.write_manifest(
+                    ckpt.CHECKPOINTS, tmp, step_done, world, bool(engine.save_zero_checkpoint)
+                )
+                ckpt.commit(ckpt.CHECKPOINTS, tmp, tag)
+        except (OSError, RuntimeError) as e:
+            message = save_failure(e, tag, last_good, rank)
+            if message is None:
+                raise
+            # The other ranks wait in a barrier for this one: leave now, so that they fail
+            # fast (their peer is gone) and the launcher stops them.
+            report_fatal(message)
+            sys.stderr.flush()
+            os._exit(EXIT_FATAL)
+        last_good = tag
         if rank == 0:
             ckpt.prune(ckpt.CHECKPOINTS, train["keep_checkpoints"])
+        dist.barrier()
 
     logger = Logger(start, steps, resumed=start > 0) if rank == 0 else None
     engine.train()
@@ -246,6 +486,7 @@ def main() -> int:
     last_saved = start if start > 0 else None
     loss_value = float("nan")
     while step < steps:
+        faults.step_begins()
         t0 = time.perf_counter()
         data_wait = 0.0
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -256,30 +497,40 @@ def main() -> int:
             )
             data_wait += time.perf_counter() - td
             loss = mean_loss(engine, inputs, targets)
+            if faults.nan(step + 1):
+                loss = loss * float("nan")
             engine.backward(loss + balancer.aux_loss())
             engine.step()
             loss_sum += loss.detach().double()
-        expert = balancer.update()
+            faults.after_micro(step + 1, a)
         step += 1
         if device_type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         loss_value = all_mean(float(loss_sum) / accum, device)
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at step {step}")
+        # A skipped update (overflow) must not move the expert biases either.
+        applied = bool(engine.was_step_applied())
+        if applied:
+            expert = balancer.update()
+        else:
+            balancer.reset()
+            expert = {}
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        event = health.observe(step, loss_value, applied, grad_norm)
         tokens_per_s = global_tokens / dt
         memory = all_gather_int(peak_memory_bytes(device), device)
         reserved = all_gather_int(
             torch.cuda.max_memory_reserved(device) if device_type == "cuda" else 0, device
         )
-        if step % train["eval_every"] == 0 or step == steps:
+        if not event["bad"] and (step % train["eval_every"] == 0 or step == steps):
             val_loss = validate()
         if rank == 0:
-            grad_norm = engine.get_global_grad_norm()
             metrics = {
                 "train/loss": loss_value,
                 "train/lr": engine.get_lr()[0],
-                "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "train/grad_norm": grad_norm,
+                "train/skipped_steps": float(health.skipped),
                 "perf/tokens_per_s": tokens_per_s,
                 "perf/mfu": mfu(tokens_per_s / world, fpt, peak),
                 "perf/step_s": dt,
@@ -289,6 +540,25 @@ def main() -> int:
                 "experts/entropy_min": expert.get("entropy_min"),
                 "tokens": step * global_tokens,
             }
+            if event["spike"] is not None:
+                metrics["train/grad_norm_spike"] = event["spike"]
+                print(
+                    f"[dsflow train] step {step}: grad norm {grad_norm:.4g} is "
+                    f"{event['spike']:.1f}x its running median",
+                    file=sys.stderr,
+                )
+            if event["bad"]:
+                print(
+                    f"[dsflow train] step {step}: loss is {loss_value}; update skipped "
+                    f"({health.streak} in a row, the run stops at {health.max_bad})",
+                    file=sys.stderr,
+                )
+            elif event["skipped"]:
+                print(
+                    f"[dsflow train] step {step}: gradient overflow, update skipped "
+                    f"({health.skipped} skipped so far)",
+                    file=sys.stderr,
+                )
             if val_loss is not None and (step % train["eval_every"] == 0 or step == steps):
                 metrics["val/loss"] = val_loss
             if step % train["log_every"] == 0 or step == steps or "val/loss" in metrics:
@@ -304,19 +574,40 @@ def main() -> int:
                     **metrics,
                 }
             )
-        inject_fault(step, rank)
-        stop = bool(all_sum([1.0 if Stop.requested else 0.0], device)[0])
-        if step % train["checkpoint_every"] == 0 or step == steps or stop:
+        if event["stop"]:
+            if rank == 0:
+                logger.close()
+                kept = (
+                    f"the last good checkpoint {last_good} is kept and a rerun resumes from it"
+                    if last_good
+                    else "there is no good checkpoint yet (a rerun starts from step 0)"
+                )
+                report_fatal(
+                    f"{event['stop']}; stopped: {kept} (lower train.optimizer.lr, or check the "
+                    "data, before rerunning)"
+                )
+            # Every rank stops here together: under the train stage, which reports the reason,
+            # a clean exit (no launcher traceback); run by hand, a failure.
+            return 0 if os.environ.get("DSFLOW_STATUS_FILE") else EXIT_FATAL
+        faults.after_step(step)
+        requested = Stop.requested or (ckpt.CHECKPOINTS / ckpt.STOP_FILE).exists()
+        stop = bool(all_sum([1.0 if requested else 0.0], device)[0])
+        # No periodic checkpoint during a run of bad steps: the last good one stays the newest.
+        periodic = step % train["checkpoint_every"] == 0 and health.streak == 0
+        if periodic or step == steps or stop:
             save(step)
             last_saved = step
-        if stop:
+        if stop and step < steps:
             if rank == 0:
                 logger.close()
                 print(
-                    f"[dsflow train] stopped by signal after step {step}; checkpoint saved",
+                    f"[dsflow train] stopped on request after step {step}; checkpoint "
+                    f"{ckpt.tag_for(step)} saved",
                     file=sys.stderr,
                 )
-            return 143
+            # Asked by the train stage (checkpoints/.stop): a clean exit, the stage reports it.
+            # Signalled directly: the conventional 128 + SIGTERM.
+            return EXIT_STOPPED if Stop.requested else 0
 
     if last_saved != steps and start < steps:
         save(steps)
@@ -334,7 +625,18 @@ def main() -> int:
         if device_type == "cuda":
             hardware["gpu_memory_gb"] = torch.cuda.get_device_properties(device).total_memory / 1e9
         write_metrics(
-            history, plan, counts, val_loss, loss_value, time.perf_counter() - wall0, hardware
+            history,
+            plan,
+            counts,
+            val_loss,
+            loss_value,
+            time.perf_counter() - wall0,
+            {
+                **hardware,
+                "skipped_steps": health.skipped,
+                "bad_steps": health.bad,
+                "grad_norm_spikes": health.spikes,
+            },
         )
     dist.barrier()
     return 0
