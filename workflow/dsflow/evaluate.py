@@ -13,7 +13,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -219,7 +218,7 @@ def write_results(params, model, tokenizer, scores, expert, exact, world, device
 
 def run(params: dict) -> None:
     from dsflow import params as params_mod
-    from dsflow.train import free_port, launch_env, resolve_device
+    from dsflow.train import free_port, launch_env, resolve_device, torchrun_command
 
     if not (FINAL / "config.json").exists():
         raise UsageError(f"{FINAL}: no exported model; run the train stage first")
@@ -230,23 +229,7 @@ def run(params: dict) -> None:
     plan = {"device": device, "world": world}
     # Ranks get exactly these params (overlays included), not a fresh read of params.yaml.
     env = {**launch_env(plan), WORKER_ENV: device, params_mod.CONFIG_ENV: json.dumps(params)}
-    port = str(free_port())
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        str(world),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        port,
-        "-m",
-        "dsflow.evaluate",
-    ]
-    code = subprocess.call(cmd, env=env)
+    code = subprocess.call(torchrun_command(world, str(free_port()), "dsflow.evaluate"), env=env)
     if code != 0:
         raise UsageError(f"evaluation failed (launcher exit {code}); see the rank output above")
 

@@ -142,6 +142,11 @@ def launch_command(plan: dict) -> list[str]:
             "--module",
             "dsflow.worker",
         ]
+    return torchrun_command(world, port, "dsflow.worker")
+
+
+def torchrun_command(world: int, port: str, module: str) -> list[str]:
+    """torchrun starting `world` local ranks of `python -m module`."""
     return [
         sys.executable,
         "-m",
@@ -155,7 +160,7 @@ def launch_command(plan: dict) -> list[str]:
         "--master_port",
         port,
         "-m",
-        "dsflow.worker",
+        module,
     ]
 
 
