@@ -649,6 +649,35 @@ def test_dvc_refuses_a_second_concurrent_repro(project):
     assert (project / "data/raw/manifest.json").exists()
 
 
+def test_snakemake_refuses_a_second_concurrent_run(project):
+    update_params(project, {"download": {"max_docs": 40000}})
+    env = {**os.environ, "DSFLOW_PROGRESS": "0"}
+    env.pop("DSFLOW_CONFIG", None)
+    first = subprocess.Popen(
+        ["snakemake", "--cores", "1", "download"],
+        cwd=project,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: list((project / "data").glob(".raw.tmp-*")), 60, "the first run")
+        second = subprocess.run(
+            ["snakemake", "--cores", "1", "download"],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert second.returncode != 0
+        assert "cannot be locked" in second.stdout + second.stderr
+        assert first.wait(timeout=120) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert (project / "data/raw/manifest.json").exists()
+
+
 # --------------------------------------------------------------------------- bad params (property)
 
 BASE = yaml.safe_load((ROOT / "params.yaml").read_text())
