@@ -621,61 +621,40 @@ def test_killed_before_the_final_rename_reruns_to_identical_bytes(prepared, tmp_
 
 
 @pytest.mark.slow
-def test_dvc_refuses_a_second_concurrent_repro(project):
+def second_concurrent_run(project, cmd: list[str], setup: list[str] | None = None) -> str:
+    """Start `cmd` on a slow download, run it again while the first holds its lock; the
+    second's output. The first must still finish and leave a complete output."""
     update_params(project, {"download": {"max_docs": 40000}})
     env = {**os.environ, "DSFLOW_PROGRESS": "0"}
     env.pop("DSFLOW_CONFIG", None)
-    subprocess.run(["dvc", "init", "--no-scm", "-q"], cwd=project, check=True, env=env)
+    if setup:
+        subprocess.run(setup, cwd=project, check=True, env=env)
     first = subprocess.Popen(
-        ["dvc", "repro", "download"],
-        cwd=project,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(lambda: list((project / "data").glob(".raw.tmp-*")), 60, "the first repro")
-        second = subprocess.run(
-            ["dvc", "repro", "download"], cwd=project, env=env, capture_output=True, text=True
-        )
-        assert second.returncode != 0
-        out = second.stdout + second.stderr
-        # DVC's repo lock, or its per-output read/write lock, whichever it meets first.
-        assert "Unable to acquire lock" in out or ("is busy" in out and "rwlock" in out), out
-        assert first.wait(timeout=120) == 0
-    finally:
-        if first.poll() is None:
-            first.kill()
-    assert (project / "data/raw/manifest.json").exists()
-
-
-def test_snakemake_refuses_a_second_concurrent_run(project):
-    update_params(project, {"download": {"max_docs": 40000}})
-    env = {**os.environ, "DSFLOW_PROGRESS": "0"}
-    env.pop("DSFLOW_CONFIG", None)
-    first = subprocess.Popen(
-        ["snakemake", "--cores", "1", "download"],
-        cwd=project,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        cmd, cwd=project, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
         wait_for(lambda: list((project / "data").glob(".raw.tmp-*")), 60, "the first run")
-        second = subprocess.run(
-            ["snakemake", "--cores", "1", "download"],
-            cwd=project,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
+        second = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
         assert second.returncode != 0
-        assert "cannot be locked" in second.stdout + second.stderr
         assert first.wait(timeout=120) == 0
     finally:
         if first.poll() is None:
             first.kill()
     assert (project / "data/raw/manifest.json").exists()
+    return second.stdout + second.stderr
+
+
+def test_dvc_refuses_a_second_concurrent_repro(project):
+    out = second_concurrent_run(
+        project, ["dvc", "repro", "download"], setup=["dvc", "init", "--no-scm", "-q"]
+    )
+    # DVC's repo lock, or its per-output read/write lock, whichever it meets first.
+    assert "Unable to acquire lock" in out or ("is busy" in out and "rwlock" in out), out
+
+
+def test_snakemake_refuses_a_second_concurrent_run(project):
+    out = second_concurrent_run(project, ["snakemake", "--cores", "1", "download"])
+    assert "cannot be locked" in out, out
 
 
 # --------------------------------------------------------------------------- bad params (property)
