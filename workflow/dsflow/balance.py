@@ -140,6 +140,9 @@ class ExpertBalancer:
 
     # ------------------------------------------------------------------ hooks
     def _make_hook(self, index: int):
+        # Bookkeeping in Python objects: under torch.compile (train.perf.compile) it must run
+        # eagerly, between the compiled graphs, not be traced into them.
+        @torch.compiler.disable
         def hook(module, args, kwargs, output):
             self._on_route(index, module, args, kwargs, output)
 

@@ -55,6 +55,7 @@ RESUMABLE_KEYS = {
     "master_port",
     "force",
     "max_bad_steps",
+    "perf",  # fast paths change speed, not the math
 }
 
 

@@ -128,3 +128,86 @@ class ShardReader:
         n = self.num_windows if max_windows is None else min(max_windows, self.num_windows)
         for i in range(rank, n, world):
             yield self.tokens(i * self.seq_len, self.seq_len + 1)
+
+
+class BatchLoader:
+    """A rank's micro-batches for steps `start`, `start + 1`, ... in order, read ahead.
+
+    A background thread reads the next `depth` micro-batches (`ShardReader.micro_batch`, so
+    exactly the same data as reading them inline) while the GPU works; with `pin`, into
+    page-locked memory, so the host-to-device copy is asynchronous. `get` returns
+    (inputs, targets) on `device` and checks that it is asked for the batches in order.
+    """
+
+    def __init__(
+        self,
+        reader: ShardReader,
+        *,
+        start: int,
+        rank: int,
+        world: int,
+        micro: int,
+        accum: int,
+        device,
+        depth: int = 2,
+        pin: bool = False,
+    ):
+        import queue
+        import threading
+
+        self.reader, self.rank, self.world = reader, rank, world
+        self.micro, self.accum, self.device, self.pin = micro, accum, device, pin
+        self.next = (start, 0)
+        self.depth = depth
+        if depth > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._fill, args=(start,), name="dsflow-batches", daemon=True
+            )
+            self._thread.start()
+
+    def _read(self, step: int, micro_step: int):
+        import torch
+
+        windows = self.reader.micro_batch(
+            step, micro_step, self.rank, self.world, self.micro, self.accum
+        )
+        batch = torch.from_numpy(windows)
+        return batch.pin_memory() if self.pin else batch
+
+    def _fill(self, step: int) -> None:
+        import queue
+
+        try:
+            while not self._stop.is_set():
+                for a in range(self.accum):
+                    item = ((step, a), self._read(step, a))
+                    while not self._stop.is_set():
+                        try:
+                            self._queue.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                step += 1
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
+            self._queue.put((None, exc))
+
+    def get(self, step: int, micro_step: int):
+        """(inputs, targets) of `micro_step` of optimizer step `step`, on the device."""
+        if (step, micro_step) != self.next:
+            raise RuntimeError(f"batches asked out of order: {(step, micro_step)} != {self.next}")
+        self.next = (step, micro_step + 1) if micro_step + 1 < self.accum else (step + 1, 0)
+        if self.depth > 0:
+            key, batch = self._queue.get()
+            if key is None:
+                raise batch
+        else:
+            batch = self._read(step, micro_step)
+        batch = batch.to(self.device, non_blocking=self.pin)
+        return batch[:, :-1], batch[:, 1:]
+
+    def close(self) -> None:
+        if self.depth > 0:
+            self._stop.set()
+            self._thread.join(timeout=5)

@@ -3,6 +3,9 @@
 Windows from `ShardReader` hold seq_len + 1 tokens: inputs are the first seq_len, targets the
 last seq_len. The loss is computed here, not by HF's `labels=` path, so every caller (trainer,
 val, evaluate, the exported-model check) measures exactly the same thing.
+
+Training goes through `TrainingLM`, whose forward is the loss, optionally fused with the lm_head
+(`linear_cross_entropy`): the [tokens x vocab] logits are then never held in full.
 """
 
 from __future__ import annotations
@@ -26,6 +29,82 @@ def token_nll(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
 def mean_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return token_nll(model, inputs, targets).mean()
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """mean(cross_entropy(hidden @ weight.T, targets)) chunk by chunk; the gradients are
+    computed in the forward pass, one chunk of logits at a time (the approach of Liger
+    Kernel's fused linear cross-entropy), so no logits are kept for the backward pass and none
+    are recomputed. Matmuls run in the inputs' dtype, the softmax in fp32, like `token_nll`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        n = hidden.shape[0]
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad else None
+        for start in range(0, n, chunk):
+            h, t = hidden[start : start + chunk], targets[start : start + chunk]
+            logits = (h @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if needs_grad:
+                # d(sum of NLL)/d logits = softmax - one_hot(target), scaled to the mean
+                grad = torch.exp_(logits.sub_(lse[:, None]))
+                grad[torch.arange(len(t), device=t.device), t] -= 1.0
+                grad = grad.mul_(1.0 / n).to(hidden.dtype)
+                grad_hidden[start : start + chunk] = grad @ weight
+                grad_weight += (grad.t() @ h).float()
+        if needs_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            grad_hidden * grad_output.to(grad_hidden.dtype),
+            (grad_weight * grad_output).to(ctx.weight_dtype),
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """Mean token NLL of `hidden @ weight.T` ([N, H] x [V, H]) against `targets` ([N]), equal
+    to `F.cross_entropy(logits.float(), targets)` without materialising all N x V logits."""
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
+
+
+class TrainingLM(torch.nn.Module):
+    """What DeepSpeed trains: forward(inputs, targets) -> mean token NLL.
+
+    It holds the HF model's own submodules under the HF names (`model`, `lm_head`), so its
+    parameters, state_dict and checkpoints are the HF model's; `.hf` is the HF model itself
+    (for validation, generation and `save_pretrained`). `ce_chunk` > 0 fuses the lm_head with
+    the cross-entropy (`linear_cross_entropy`); 0 computes full logits, as `mean_loss` does.
+    """
+
+    def __init__(self, hf, ce_chunk: int = 0):
+        super().__init__()
+        self.model = hf.model
+        self.lm_head = hf.lm_head
+        self.ce_chunk = int(ce_chunk)
+        object.__setattr__(self, "hf", hf)  # not a submodule: no second name for each weight
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not self.ce_chunk:
+            return mean_loss(self.hf, inputs, targets)
+        hidden = self.model(input_ids=inputs, use_cache=False).last_hidden_state
+        return linear_cross_entropy(
+            hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.ce_chunk
+        )
 
 
 @torch.no_grad()

@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 
 from dsflow import checkpoint as ckpt
+from dsflow import kernels
 from dsflow.atomic import atomic_dir, atomic_file
 from dsflow.balance import ExpertBalancer
-from dsflow.data import ShardReader
+from dsflow.data import BatchLoader, ShardReader
 from dsflow.flops import flops_per_token, mfu, peak_flops
-from dsflow.lm import evaluate_loss, mean_loss, to_batch
+from dsflow.lm import TrainingLM, evaluate_loss
 from dsflow.model import build_model, model_config, param_counts
 
 SHARDS = Path("data/shards")
@@ -384,9 +385,16 @@ def main() -> int:
     balancer = ExpertBalancer(model, gamma=balance["gamma"], seq_aux_alpha=balance["seq_aux_alpha"])
 
     ds_config = json.loads((ckpt.CHECKPOINTS / "ds_config.json").read_text())
+    perf = kernels.resolve(
+        train.get("perf", {}), device_type, ds_config["zero_optimization"]["stage"]
+    )
+    kernels.apply(model, perf)
+    if rank == 0:
+        print(f"[dsflow train] fast paths: {perf.describe()}", file=sys.stderr)
+    trainee = TrainingLM(model, ce_chunk=perf.ce_chunk)
     engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        model=trainee,
+        model_parameters=[p for p in trainee.parameters() if p.requires_grad],
         config=ds_config,
     )
     # DeepSpeed broadcasts parameters at start-up, not buffers: give every rank rank 0's biases.
@@ -422,15 +430,20 @@ def main() -> int:
     counts = param_counts(config)
 
     def validate() -> float:
-        total, count = evaluate_loss(
-            engine.module,
-            val_reader,
-            micro=micro,
-            device=device,
-            rank=rank,
-            world=world,
-            max_windows=val_windows,
+        # Validation is a small share of the run: eager, instead of compiling a no-grad graph.
+        stance = (
+            torch.compiler.set_stance("force_eager") if perf.compile else contextlib.nullcontext()
         )
+        with stance:
+            total, count = evaluate_loss(
+                model,
+                val_reader,
+                micro=micro,
+                device=device,
+                rank=rank,
+                world=world,
+                max_windows=val_windows,
+            )
         total, count = all_sum([total, count], device)
         return total / count
 
@@ -478,6 +491,17 @@ def main() -> int:
         dist.barrier()
 
     logger = Logger(start, steps, resumed=start > 0) if rank == 0 else None
+    loader = BatchLoader(
+        reader,
+        start=start,
+        rank=rank,
+        world=world,
+        micro=micro,
+        accum=accum,
+        device=device,
+        depth=2 if perf.prefetch else 0,
+        pin=perf.prefetch and device_type == "cuda",
+    )
     engine.train()
     wall0 = time.perf_counter()
     history: list[dict] = []
@@ -492,11 +516,9 @@ def main() -> int:
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         for a in range(accum):
             td = time.perf_counter()
-            inputs, targets = to_batch(
-                reader.micro_batch(step, a, rank, world, micro, accum), device
-            )
+            inputs, targets = loader.get(step, a)
             data_wait += time.perf_counter() - td
-            loss = mean_loss(engine, inputs, targets)
+            loss = engine(inputs, targets)
             if faults.nan(step + 1):
                 loss = loss * float("nan")
             engine.backward(loss + balancer.aux_loss())
@@ -609,6 +631,7 @@ def main() -> int:
             # Signalled directly: the conventional 128 + SIGTERM.
             return EXIT_STOPPED if Stop.requested else 0
 
+    loader.close()
     if last_saved != steps and start < steps:
         save(steps)
     if val_loss is None:
@@ -616,7 +639,7 @@ def main() -> int:
     if rank == 0:
         if logger:
             logger.close()
-        export(engine.module)
+        export(model)
         hardware = {
             "device_name": device_name,
             "zero_stage": ds_config["zero_optimization"]["stage"],

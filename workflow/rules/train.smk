@@ -6,7 +6,17 @@
 rule train:
     input:
         code(
-            "train", "worker", "model", "balance", "flops", "dsconfig", "lm", "checkpoint", "doctor"
+            "train",
+            "worker",
+            "model",
+            "balance",
+            "flops",
+            "dsconfig",
+            "lm",
+            "checkpoint",
+            "doctor",
+            "kernels",
+            "data",
         ),
         "data/shards",
         "data/tokenizer",
