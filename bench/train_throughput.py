@@ -28,6 +28,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,11 +40,16 @@ CONFIGS = {
     "dense": {"preset": "medium", "overrides": {"first_k_dense_replace": 16}},
     "moe": {"preset": "medium", "overrides": {}},
 }
-BASELINE = {"compile": False, "attention": "sdpa", "ce_chunk": 0, "prefetch": False}
-LEVERS = {  # one lever off at a time, the rest at their defaults
-    "no-compile": {"compile": False},
-    "no-flash": {"attention": "sdpa"},
-    "no-fused-ce": {"ce_chunk": 0},
+# Variants: overlays on the train section. baseline = every fast path off.
+VARIANTS = {
+    "baseline": {"perf": {"compile": False, "attention": "sdpa", "ce_chunk": 0, "prefetch": False}},
+    "dsflow": {},
+    # one lever off at a time, the rest at their defaults (--variants to pick)
+    "no-compile": {"perf": {"compile": False}},
+    "no-flash": {"perf": {"attention": "sdpa"}},
+    "no-fused-ce": {"perf": {"ce_chunk": 0}},
+    "no-prefetch": {"perf": {"prefetch": False}},
+    "zero1": {"zero_stage": 1},
 }
 COMPARE_STEPS = 50
 # bf16 noise: two runs of the same math whose kernels round differently drift apart by about
@@ -76,43 +82,48 @@ def tsv(path: Path, column: str) -> dict[int, float]:
         return {int(r["step"]): float(r[column]) for r in csv.DictReader(f, delimiter="\t")}
 
 
-def run_stage(name: str, config: dict, perf: dict, steps: int, peak: float, out: Path) -> dict:
-    overlay = {
-        "model": config,
-        "train": {
-            "device": "cuda",
-            "gpus": 1,
-            "precision": "bf16",
-            "zero_stage": 2,
-            "seq_len": SEQ,
-            "micro_batch": MICRO,
-            "grad_accum": 1,
-            "global_batch": None,
-            "max_steps": steps,
-            "eval_every": steps,
-            "eval_batches": 2,
-            "checkpoint_every": steps,
-            "peak_tflops": peak,
-            "optimizer": {"lr": 6e-4},
-            "perf": perf,
-        },
+def run_stage(
+    name: str, config: dict, variant: dict, steps: int, peak: float, out: Path, profile: bool
+) -> dict:
+    train = {
+        "device": "cuda",
+        "gpus": 1,
+        "precision": "bf16",
+        "zero_stage": 2,
+        "seq_len": SEQ,
+        "micro_batch": MICRO,
+        "grad_accum": 1,
+        "global_batch": None,
+        "max_steps": steps,
+        "eval_every": steps,
+        "eval_batches": 2,
+        "checkpoint_every": steps,
+        "peak_tflops": peak,
+        "optimizer": {"lr": 6e-4},
     }
-    profile = out / f"{name}.yaml"
-    profile.write_text(yaml.safe_dump(overlay))
+    train.update(variant)
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    overlay = work / "overlay.yaml"
+    overlay.write_text(yaml.safe_dump({"model": config, "train": train}))
+    env = dict(os.environ)
+    if profile:
+        env["DSFLOW_PROFILE"] = f"{steps - 4}:{steps - 2}:{out / f'profile-{name}.txt'}"
     for path in ("checkpoints", "models/final", "dvclive", "metrics/train.json"):
         shutil.rmtree(path, ignore_errors=True) if Path(path).is_dir() else Path(path).unlink(
             missing_ok=True
         )
     t0 = time.time()
-    with open(out / f"{name}.log", "w") as log:
+    log_path = work / "train.log"
+    with open(log_path, "w") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "dsflow", "--profile", str(profile), "train"],
+            [sys.executable, "-m", "dsflow", "--profile", str(overlay), "train"],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=env,
         )
     wall = time.time() - t0
     if proc.returncode != 0:
-        tail = (out / f"{name}.log").read_text().splitlines()[-15:]
+        tail = log_path.read_text().splitlines()[-25:]
         print(f"{name}: train stage failed ({proc.returncode}):\n  " + "\n  ".join(tail))
         return {"name": name, "failed": True}
     live = Path("dvclive/plots/metrics")
@@ -122,7 +133,7 @@ def run_stage(name: str, config: dict, perf: dict, steps: int, peak: float, out:
     steady = [v for s, v in step_s.items() if s > warm]
     return {
         "name": name,
-        "perf": perf,
+        "variant": variant,
         "loss": tsv(live / "train/loss.tsv", "loss"),
         "step_s": statistics.median(steady),
         "data_wait": statistics.median(
@@ -155,7 +166,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="dense,moe")
     ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--levers", action="store_true", help="also one run per lever turned off")
+    ap.add_argument(
+        "--variants",
+        default="baseline,dsflow",
+        help=f"comma-separated, from: {', '.join(VARIANTS)}",
+    )
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables (not baseline)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -168,14 +184,12 @@ def main() -> int:
     for cname in args.configs.split(","):
         config = CONFIGS[cname]
         fpt = flops_per_token(config)
-        variants = {"baseline": BASELINE, "dsflow": {}}
-        if args.levers:
-            variants.update(LEVERS)
         runs = {}
-        for vname, perf in variants.items():
+        for vname in args.variants.split(","):
             name = f"{cname}-{vname}"
             print(f"running {name} ...", flush=True)
-            r = run_stage(name, config, perf, args.steps, peak, out)
+            profile = args.profile and vname != "baseline"
+            r = run_stage(name, config, VARIANTS[vname], args.steps, peak, out, profile)
             if r.get("failed"):
                 continue
             r["tokens_per_s"] = MICRO * SEQ / r["step_s"]
@@ -188,6 +202,11 @@ def main() -> int:
                 flush=True,
             )
         base = runs.get("baseline")
+        if base:
+            shown = [s for s in range(1, COMPARE_STEPS + 1) if s == 1 or s % 5 == 0]
+            print("  loss at steps " + " ".join(f"{s:>6}" for s in shown))
+            for vname, r in runs.items():
+                print(f"  {vname:<13}" + " ".join(f"{r['loss'].get(s, 0):6.3f}" for s in shown))
         for vname, r in runs.items():
             agree = loss_agreement(base["loss"], r["loss"]) if base else (None, None)
             r["loss_mean_rel_diff"], r["loss_max_rel_diff"] = agree
@@ -203,7 +222,8 @@ def main() -> int:
     )
     print(header)
     print("-" * len(header))
-    ok = True
+    compared = [r for _, v, r, _ in rows if v == "dsflow" and r["loss_mean_rel_diff"] is not None]
+    ok = bool(compared)
     for cname, vname, r, base in rows:
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         mean_d, max_d = r["loss_mean_rel_diff"], r["loss_max_rel_diff"]

@@ -150,3 +150,22 @@ def test_continued_training_from_a_pretrained_checkpoint(prepared, baseline, tmp
     first = losses(repo)[1]
     # It starts where the baseline ended, far below a fresh model's first loss.
     assert first < losses(baseline)[1] - 1.0
+
+
+def test_fast_paths_train_the_same_curve(prepared, baseline, tmp_path):
+    """train.perf's padded attention, fused cross-entropy (a chunk that does not divide the
+    batch) and prefetched batches change speed, not the math: the same losses as the plain
+    path (fp32), and the fingerprint ignores them, so a run can resume with other settings."""
+    repo = tmp_path / "repo"
+    perf = {"attention": "flash_padded", "ce_chunk": 37, "prefetch": True, "compile": False}
+    trained_copy(prepared, repo, {"train": {"perf": perf}})
+    plain, fast = losses(baseline), losses(repo)
+    assert plain.keys() == fast.keys()
+    for step in plain:
+        assert fast[step] == pytest.approx(plain[step], rel=1e-5), step
+    assert losses(repo, "val/loss") == pytest.approx(losses(baseline, "val/loss"), rel=1e-5)
+    run = json.loads((repo / "checkpoints/run.json").read_text())
+    assert (
+        run["fingerprint"]
+        == json.loads((baseline / "checkpoints/run.json").read_text())["fingerprint"]
+    )

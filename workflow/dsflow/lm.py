@@ -41,12 +41,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunk):
         n = hidden.shape[0]
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 for bf16 inputs
+        total = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if needs_grad else None
         for start in range(0, n, chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
-            logits = (h @ weight.t()).float()
+            logits = (h @ weight.t()).to(acc)
             lse = torch.logsumexp(logits, dim=-1)
             total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
             if needs_grad:
@@ -55,7 +56,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad[torch.arange(len(t), device=t.device), t] -= 1.0
                 grad = grad.mul_(1.0 / n).to(hidden.dtype)
                 grad_hidden[start : start + chunk] = grad @ weight
-                grad_weight += (grad.t() @ h).float()
+                grad_weight += (grad.t() @ h).to(acc)
         if needs_grad:
             ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype

@@ -244,6 +244,58 @@ class StepHealth:
         return out
 
 
+class StepProfiler:
+    """DSFLOW_PROFILE=FIRST:LAST[:PATH] profiles optimizer steps FIRST..LAST on rank 0 with
+    torch.profiler and writes a table of the ops and kernels by device time, plus device busy
+    time vs wall time per step, to PATH (default logs/profile.txt). For docs/performance.md."""
+
+    def __init__(self, first: int | None, last: int | None, path: str, device_type: str):
+        self.first, self.last, self.path = first, last, Path(path)
+        self.device_type = device_type
+        self.prof = None
+        self.t0 = 0.0
+
+    @classmethod
+    def from_env(cls, rank: int, device_type: str) -> StepProfiler:
+        spec = os.environ.get("DSFLOW_PROFILE", "")
+        if rank != 0 or not spec:
+            return cls(None, None, "", device_type)
+        first, last, *rest = spec.split(":", 2)
+        return cls(int(first), int(last), rest[0] if rest else "logs/profile.txt", device_type)
+
+    def step_begins(self, step: int) -> None:
+        if step != self.first:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device_type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self.prof = profile(activities=activities)
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def step_ends(self, step: int) -> None:
+        if self.prof is None or step != self.last:
+            return
+        wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        steps = self.last - self.first + 1
+        events = self.prof.key_averages()
+        key = "device_time_total" if self.device_type == "cuda" else "cpu_time_total"
+        busy = sum(
+            e.self_device_time_total for e in self.prof.events() if e.device_type.name == "CUDA"
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "w") as f:
+            f.write(
+                f"steps {self.first}-{self.last}: wall {1e3 * wall / steps:.1f} ms/step, "
+                f"device kernels {busy / 1e3 / steps:.1f} ms/step\n\n"
+            )
+            f.write(events.table(sort_by=key, row_limit=40, max_name_column_width=70))
+        self.prof = None
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else None
@@ -509,7 +561,9 @@ def main() -> int:
     step = start
     last_saved = start if start > 0 else None
     loss_value = float("nan")
+    profiler = StepProfiler.from_env(rank, device_type)
     while step < steps:
+        profiler.step_begins(step + 1)
         faults.step_begins()
         t0 = time.perf_counter()
         data_wait = 0.0
@@ -611,6 +665,7 @@ def main() -> int:
             # Every rank stops here together: under the train stage, which reports the reason,
             # a clean exit (no launcher traceback); run by hand, a failure.
             return 0 if os.environ.get("DSFLOW_STATUS_FILE") else EXIT_FATAL
+        profiler.step_ends(step)
         faults.after_step(step)
         requested = Stop.requested or (ckpt.CHECKPOINTS / ckpt.STOP_FILE).exists()
         stop = bool(all_sum([1.0 if requested else 0.0], device)[0])

@@ -1,0 +1,137 @@
+"""The training fast paths (dsflow.kernels, dsflow.lm, dsflow.data.BatchLoader) compute what the
+plain HF path computes: same logits, losses, gradients, expert counts and batches."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsflow import kernels
+from dsflow.balance import ExpertBalancer
+from dsflow.data import BatchLoader, ShardReader
+from dsflow.errors import UsageError
+from dsflow.lm import TrainingLM, linear_cross_entropy, mean_loss
+from dsflow.model import build_model, model_config
+
+VOCAB = 300
+
+
+def tiny(**overrides):
+    torch.manual_seed(0)
+    return build_model(model_config("tiny", VOCAB, overrides), device_type="cpu")
+
+
+def batch(seed=1, size=2, seq=33):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (size, seq), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def test_auto_means_fast_on_cuda_and_plain_on_cpu():
+    auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
+    assert kernels.resolve(auto, "cuda") == kernels.Perf(True, "flash_padded", 8192, True)
+    assert kernels.resolve(auto, "cpu") == kernels.Perf(False, "sdpa", 0, True)
+    assert kernels.resolve({**auto, "ce_chunk": 512, "compile": True}, "cpu").ce_chunk == 512
+    # ZeRO-3 gathers parameters in module hooks: auto turns compile off, true is refused.
+    assert kernels.resolve(auto, "cuda", zero_stage=3).compile is False
+    with pytest.raises(UsageError, match="train.perf.compile"):
+        kernels.resolve({**auto, "compile": True}, "cuda", zero_stage=3)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"v_head_dim": 64}], ids=["v-narrower", "v-wider"])
+def test_padded_attention_gives_the_same_logits(overrides):
+    model = tiny(**overrides)
+    inputs, _ = batch()
+    with torch.no_grad():
+        reference = model(input_ids=inputs).logits
+        kernels.use_attention(model, "flash_padded")
+        assert model.config._attn_implementation == kernels.FLASH_PADDED
+        padded = model(input_ids=inputs).logits
+    torch.testing.assert_close(padded, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1000, 333, 7])
+def test_fused_cross_entropy_equals_the_full_one(chunk):
+    torch.manual_seed(chunk)
+    hidden = torch.randn(1000, 64, dtype=torch.float64, requires_grad=True)
+    weight = (0.1 * torch.randn(VOCAB, 64, dtype=torch.float64)).requires_grad_()
+    targets = torch.randint(0, VOCAB, (1000,))
+    reference = F.cross_entropy(hidden @ weight.t(), targets)
+    grads = torch.autograd.grad(3 * reference, (hidden, weight))
+    fused = linear_cross_entropy(hidden, weight, targets, chunk)
+    fused_grads = torch.autograd.grad(3 * fused, (hidden, weight))
+    torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)
+    for got, want in zip(fused_grads, grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():  # validation: no gradient work, same value
+        torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk), reference)
+    with pytest.raises(ValueError):
+        linear_cross_entropy(hidden, weight, targets, 0)
+
+
+def test_training_module_is_the_hf_model_with_a_loss_forward():
+    model = tiny()
+    inputs, targets = batch()
+    plain, fused = TrainingLM(model), TrainingLM(model, ce_chunk=17)
+    # DeepSpeed checkpoints and the HF export see the same names and the same tensors.
+    assert list(plain.state_dict()) == list(model.state_dict())
+    for name, p in plain.named_parameters():
+        assert p is model.get_parameter(name)
+    assert plain.hf is model and "hf" not in dict(plain.named_children())
+    expected = mean_loss(model, inputs, targets)
+    torch.testing.assert_close(plain(inputs, targets), expected, rtol=0, atol=0)
+    torch.testing.assert_close(fused(inputs, targets), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager_layers():
+    """torch.compile of every decoder layer: same loss, gradients, expert counts and sequence-wise
+    aux loss (the balancer's router hook stays eager, between the compiled graphs)."""
+    eager = tiny()
+    compiled = copy.deepcopy(eager)
+    inputs, targets = batch()
+    runs = []
+    for model, perf in (
+        (eager, kernels.Perf(False, "sdpa", 0, False)),
+        (compiled, kernels.Perf(True, "flash_padded", 16, False)),
+    ):
+        balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
+        kernels.apply(model, perf)
+        trainee = TrainingLM(model, ce_chunk=perf.ce_chunk)
+        for _ in range(2):  # the second call runs the cached graphs
+            model.zero_grad(set_to_none=True)
+            aux = None
+            loss = trainee(inputs, targets)
+            aux = balancer.aux_loss()
+            (loss + aux).backward()
+        runs.append((loss.detach(), aux.detach(), balancer.counts(), model))
+    (loss_e, aux_e, counts_e, _), (loss_c, aux_c, counts_c, _) = runs
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(aux_c, aux_e, rtol=1e-5, atol=1e-7)
+    assert torch.equal(counts_c, counts_e) and counts_e.sum() > 0
+    for (name, p_e), p_c in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert p_c.grad is not None, name
+        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_batch_loader_reads_what_the_reader_reads(prepared, depth):
+    reader = ShardReader(prepared / "data/shards/train", 16, seed=7)
+    loader = BatchLoader(
+        reader, start=3, rank=1, world=2, micro=2, accum=2, device="cpu", depth=depth
+    )
+    try:
+        for step in range(3, 7):
+            for a in range(2):
+                inputs, targets = loader.get(step, a)
+                want = reader.micro_batch(step, a, 1, 2, 2, 2)
+                assert np.array_equal(inputs.numpy(), want[:, :-1])
+                assert np.array_equal(targets.numpy(), want[:, 1:])
+        with pytest.raises(RuntimeError, match="out of order"):
+            loader.get(9, 0)
+    finally:
+        loader.close()
