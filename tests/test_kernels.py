@@ -33,8 +33,8 @@ def batch(seed=1, size=2, seq=33):
 
 def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
-    assert kernels.resolve(auto, "cuda") == kernels.Perf(True, "flash_padded", 8192, True)
-    assert kernels.resolve(auto, "cpu") == kernels.Perf(False, "sdpa", 0, True)
+    assert kernels.resolve(auto, "cuda") == kernels.Perf(True, "flash_padded", 8192, True, False)
+    assert kernels.resolve(auto, "cpu") == kernels.Perf(False, "sdpa", 0, True, False)
     assert kernels.resolve({**auto, "ce_chunk": 512, "compile": True}, "cpu").ce_chunk == 512
     # ZeRO-3 gathers parameters in module hooks: auto turns compile off, true is refused.
     assert kernels.resolve(auto, "cuda", zero_stage=3).compile is False
@@ -135,3 +135,24 @@ def test_batch_loader_reads_what_the_reader_reads(prepared, depth):
             loader.get(9, 0)
     finally:
         loader.close()
+
+
+def test_activation_checkpointing_recomputes_the_same_gradients():
+    """Recomputed layers give the same loss and gradients, and the balancer does not count the
+    recomputation's routing twice."""
+    plain = tiny()
+    checkpointed = copy.deepcopy(plain)
+    inputs, targets = batch()
+    results = []
+    for model, on in ((plain, False), (checkpointed, True)):
+        model.train()
+        balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
+        kernels.apply(model, kernels.Perf(False, "sdpa", 0, False, activation_checkpointing=on))
+        loss = TrainingLM(model)(inputs, targets) + balancer.aux_loss()
+        loss.backward()
+        results.append((loss.detach(), balancer.counts()))
+    assert checkpointed.model.gradient_checkpointing and not plain.model.gradient_checkpointing
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    assert torch.equal(results[1][1], results[0][1])
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -10,6 +10,9 @@
   stay untouched. The expert balancer's router hook is excluded (it runs eagerly).
 - `ce_chunk`: the lm_head + cross-entropy fused over token chunks (dsflow.lm), so the
   [tokens x vocab] logits are never held in full.
+- `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
+  the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
+  micro batch, at the price of one more forward (off by default: it is slower at a given batch).
 
 `resolve` turns the `auto` values into what is on by default: the fast paths on CUDA, off on
 CPU, where torch.compile's C++ build time dwarfs the short runs and flash attention does not
@@ -37,12 +40,14 @@ class Perf:
     attention: str  # "sdpa" | "flash_padded"
     ce_chunk: int  # tokens per cross-entropy chunk; 0 = full logits
     prefetch: bool
+    activation_checkpointing: bool = False
 
     def describe(self) -> str:
         return (
             f"compile {'on' if self.compile else 'off'}, attention {self.attention}, "
             f"cross-entropy {f'fused, {self.ce_chunk}-token chunks' if self.ce_chunk else 'full logits'}, "
-            f"prefetch {'on' if self.prefetch else 'off'}"
+            f"prefetch {'on' if self.prefetch else 'off'}, "
+            f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}"
         )
 
 
@@ -70,6 +75,7 @@ def resolve(perf: dict, device_type: str, zero_stage: int = 2) -> Perf:
         attention=attention,
         ce_chunk=int(ce_chunk),
         prefetch=bool(perf.get("prefetch", True)),
+        activation_checkpointing=bool(perf.get("activation_checkpointing", False)),
     )
 
 
@@ -133,5 +139,8 @@ def compile_layers(model: Any) -> None:
 def apply(model: Any, perf: Perf) -> None:
     """Everything in `perf` that acts on the model itself (not the loss or the data)."""
     use_attention(model, perf.attention)
+    if perf.activation_checkpointing:
+        # Non-reentrant: the recomputation keeps autograd for the balancer's aux loss.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if perf.compile:
         compile_layers(model)
