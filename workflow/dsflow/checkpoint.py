@@ -55,6 +55,11 @@ RESUMABLE_KEYS = {
     "master_port",
     "force",
     "max_bad_steps",
+    # where the ranks run, not what they compute (the world size is fingerprinted on its own)
+    "node_rank",
+    "master_addr",
+    "rdzv_id",
+    "hostfile",
 }
 
 

@@ -44,3 +44,14 @@ def train_gpus():
         return 0
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def train_cluster_resources():
+    """Per-node resources of a cluster job for the train rule (Snakemake's SLURM executor, see
+    profiles/slurm/): train.nodes nodes, each with train.gpus GPUs and one task, as the train
+    stage runs once per node and starts that node's ranks itself."""
+    nodes, gpus = config["train"]["nodes"], train_gpus()
+    if gpus:
+        # --gres is per node; with GPUs and no task count, sbatch runs one task per node.
+        return {"nodes": nodes, "gres": f"gpu:{gpus}"}
+    return {"nodes": nodes, "tasks": nodes}

@@ -6,7 +6,16 @@
 rule train:
     input:
         code(
-            "train", "worker", "model", "balance", "flops", "dsconfig", "lm", "checkpoint", "doctor"
+            "train",
+            "launch",
+            "worker",
+            "model",
+            "balance",
+            "flops",
+            "dsconfig",
+            "lm",
+            "checkpoint",
+            "doctor",
         ),
         "data/shards",
         "data/tokenizer",
@@ -18,6 +27,7 @@ rule train:
         **P("seed", "model", "train"),
     resources:
         gpus=train_gpus(),
+        **train_cluster_resources(),
     threads: os.cpu_count() or 1  # Snakemake caps this at --cores
     log:
         "logs/train.log",
