@@ -375,11 +375,11 @@ def shared_plan(device) -> tuple[dict, dict] | None:
     mine = os.environ.get(launch.FINGERPRINT_ENV)
     differs = bool(mine) and mine != box[0]["fingerprint"]
     if all_sum([1.0 if differs else 0.0], device)[0]:
-        if differs:
-            report_fatal(
-                f"this node ({socket.gethostname()}) planned run {mine} but node 0 planned "
-                f"{box[0]['fingerprint']}: every node needs the same params and data shards"
-            )
+        who = f"this node ({socket.gethostname()})" if differs else "another node"
+        report_fatal(
+            f"{who} planned a different run than node 0 (fingerprint {mine or 'other'} vs "
+            f"{box[0]['fingerprint']}): every node needs the same params and data shards"
+        )
         return None
     return box[0], box[1]
 
