@@ -375,10 +375,10 @@ def shared_plan(device) -> tuple[dict, dict] | None:
     mine = os.environ.get(launch.FINGERPRINT_ENV)
     differs = bool(mine) and mine != box[0]["fingerprint"]
     if all_sum([1.0 if differs else 0.0], device)[0]:
-        who = f"this node ({socket.gethostname()})" if differs else "another node"
+        who = f"node {socket.gethostname()} (run {mine})" if differs else "another node"
         report_fatal(
-            f"{who} planned a different run than node 0 (fingerprint {mine or 'other'} vs "
-            f"{box[0]['fingerprint']}): every node needs the same params and data shards"
+            f"{who} planned a different run than node 0 (run {box[0]['fingerprint']}): every "
+            "node needs the same params and data shards"
         )
         return None
     return box[0], box[1]
