@@ -57,7 +57,7 @@ def test_torchrun_nodes_meet_at_a_c10d_rendezvous():
     args = " ".join(cmd[3:])
     assert args == (
         "--nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint node0:29500 "
-        "--rdzv_id run7 --max_restarts 0 -m dsflow.worker"
+        "--rdzv_id run7 --rdzv_conf join_timeout=1800 --max_restarts 0 -m dsflow.worker"
     )
 
 
@@ -74,6 +74,16 @@ def test_node_rank_and_rendezvous_come_from_the_environment():
     # NODE_RANK wins over SLURM_NODEID, train.node_rank over both
     assert launch.resolve_nodes(train, 8, {**env, "NODE_RANK": "1"}).rank == 1
     assert launch.resolve_nodes(train_params(nodes=3, node_rank=0), 8, env).leader
+
+
+def test_each_node_but_the_first_logs_to_its_own_file():
+    assert launch.log_name(train_params(), {"NODE_RANK": "1"}) == "train"
+    two = train_params(nodes=2)
+    assert launch.log_name(two, {"NODE_RANK": "0"}) == "train"
+    assert launch.log_name(two, {"NODE_RANK": "1"}) == "train.node1"
+    assert launch.log_name(two, {"SLURM_JOB_ID": "5"}) == "train"  # starts the nodes with srun
+    task = {"SLURM_NODEID": "0", launch.NODE_TASK_ENV: "1"}
+    assert launch.log_name(two, task) == "train.node0"
 
 
 @pytest.mark.parametrize(

@@ -94,6 +94,8 @@ def test_two_torchrun_nodes_train_what_one_node_of_four_does(prepared, one_node,
     step = repo / "checkpoints/step00000003"
     assert len(list(step.glob("zero_pp_rank_*_optim_states.pt"))) == 4
     assert not (repo / "checkpoints/.lock").exists()
+    assert "this is node 0" in (repo / "logs/train.log").read_text()
+    assert "this is node 1" in (repo / "logs/train.node1.log").read_text()
     run = json.loads((repo / "checkpoints/run.json").read_text())
     assert run["world"] == 4 and run["nodes"] == 2 and run["local_ranks"] == 2
 
@@ -145,6 +147,9 @@ def test_under_slurm_the_stage_runs_once_per_node_with_srun(prepared, one_node, 
     ]
     assert "SLURM job 4242: the train stage on 2 nodes" in proc.stderr
     assert "this is node 0" in proc.stderr and "done: node 1 of 2" in proc.stderr
+    assert "SLURM job 4242" in (repo / "logs/train.log").read_text()
+    for rank in (0, 1):
+        assert f"this is node {rank}" in (repo / f"logs/train.node{rank}.log").read_text()
     assert losses(repo) == losses(one_node)
 
 

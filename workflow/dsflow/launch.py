@@ -28,6 +28,7 @@ NODE_TASK_ENV = "DSFLOW_NODE_TASK"  # set on the per-node tasks dsflow starts wi
 PLAN_SOURCE_ENV = "DSFLOW_PLAN_SOURCE"  # this node wrote checkpoints/run.json
 FINGERPRINT_ENV = "DSFLOW_FINGERPRINT"  # this node's plan, which node 0's must match
 LOCALHOST = "127.0.0.1"
+JOIN_TIMEOUT_S = 1800  # how long a node's launcher waits for the others at the rendezvous
 # SLURM variables a nested srun may inherit (the rest describe the parent step, not the job).
 SLURM_IDENTITY = {"SLURM_JOB_ID", "SLURM_JOBID", "SLURM_CLUSTER_NAME", "SLURM_SUBMIT_DIR"}
 
@@ -66,17 +67,32 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
         raise UsageError(f"${name}: {value!r} is not an integer; fix or unset it") from None
 
 
+def node_rank(train: dict, env: Mapping[str, str] = os.environ) -> int | None:
+    """This machine's node rank: train.node_rank, else $NODE_RANK, else $SLURM_NODEID."""
+    if train["nodes"] == 1:
+        return 0
+    if train["node_rank"] is not None:
+        return train["node_rank"]
+    rank = _env_int(env, "NODE_RANK")
+    return rank if rank is not None else _env_int(env, "SLURM_NODEID")
+
+
+def log_name(train: dict, env: Mapping[str, str] = os.environ) -> str:
+    """The train stage's log, logs/<name>.log: one per node when several nodes share logs/
+    (node 0 started by hand, and the stage that starts the nodes under SLURM, keep `train`)."""
+    rank = node_rank(train, env) if train["nodes"] > 1 else 0
+    if rank is None or (rank == 0 and not env.get(NODE_TASK_ENV)):
+        return "train"
+    return f"train.node{rank}"
+
+
 def resolve_nodes(train: dict, ranks_per_node: int, env: Mapping[str, str] = os.environ) -> Nodes:
     """The node layout from train.* (falling back on the launcher's environment), or a one-line
     UsageError naming the key to set."""
     count, launcher = train["nodes"], train["launcher"]
     if count == 1:
         return Nodes(1, 0, LOCALHOST, train["master_port"] or free_port(), "dsflow")
-    rank = train["node_rank"]
-    if rank is None:
-        rank = _env_int(env, "NODE_RANK")
-    if rank is None:
-        rank = _env_int(env, "SLURM_NODEID")
+    rank = node_rank(train, env)
     if rank is None:
         if launcher == "deepspeed":
             rank = 0
@@ -183,6 +199,9 @@ def torchrun_command(ranks_per_node: int, port: str, module: str, nodes: Nodes |
         f"{nodes.master_addr}:{nodes.master_port}",
         "--rdzv_id",
         nodes.rdzv_id,
+        # node 0 checks every shard's sha256 before it joins: give it time on big data
+        "--rdzv_conf",
+        f"join_timeout={JOIN_TIMEOUT_S}",
         "--max_restarts",
         "0",
         "-m",
