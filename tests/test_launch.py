@@ -196,3 +196,26 @@ def test_train_stage_refuses_an_incomplete_multi_node_run(prepared, tmp_path):
         "rendezvous, reachable from every node (e.g. node 0's hostname), or set MASTER_ADDR"
     )
     assert not (repo / "checkpoints").exists()
+
+
+def test_plan_and_doctor_count_the_ranks_of_every_node(monkeypatch, tmp_path):
+    from dsflow import doctor, plan
+
+    monkeypatch.chdir(tmp_path)
+    params = P.validate(
+        P.deep_merge(
+            yaml.safe_load((ROOT / "params.yaml").read_text()),
+            {"train": {"device": "cuda", "gpus": 4, "nodes": 2}},
+        )
+    )
+    h100 = {"name": "NVIDIA H100 80GB HBM3", "total_memory": 80 * 10**9}
+    req = plan.resolve(params, None, gpus=[h100] * 4)
+    assert req.world == 8  # ZeRO partitions over 2 nodes x 4 GPUs
+    assert plan.resolve(params, None, world=3, gpus=[h100] * 4).world == 3
+    seen = []
+    monkeypatch.setattr(doctor, "_plan_for", lambda facts, p, world: seen.append(world) or {})
+    monkeypatch.setattr(doctor, "_resource_checks", lambda *a: [])
+    facts = {"gpu_count": 4, "gpus": [{**h100, "index": i} for i in range(4)], "env": {}}
+    checks = {c.name: c for c in doctor.diagnose(facts, params)}
+    assert seen == [8]
+    assert checks["infiniband"].status == doctor.WARN and "TCP" in checks["infiniband"].detail
