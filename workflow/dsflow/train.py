@@ -337,14 +337,12 @@ def _run_locked(plan: dict, nccl: dict, nodes: launcher.Nodes, lock: ckpt.RunLoc
     status_dir = Path(tempfile.mkdtemp(prefix="dsflow-train-"))
     status_file = status_dir / "status"
     env = {**launch_env(plan), **nccl, "DSFLOW_STATUS_FILE": str(status_file)}
+    # Node 0's ranks hand run.json to every rank; the others check it against their own plan
+    # (worker.shared_plan).
     if nodes.leader:
-        env[launcher.PLAN_SOURCE_ENV] = (
-            "1"  # these ranks hand run.json to all (see worker.shared_plan)
-        )
+        env[launcher.PLAN_SOURCE_ENV] = "1"
     else:
-        env[launcher.FINGERPRINT_ENV] = plan[
-            "fingerprint"
-        ]  # the ranks check node 0's plan against it
+        env[launcher.FINGERPRINT_ENV] = plan["fingerprint"]
     try:
         with SignalForwarder(root) as forwarder:
             # Its own session: a terminal's Ctrl-C reaches this process only, which turns it

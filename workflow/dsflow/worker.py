@@ -2,9 +2,8 @@
 
 The train stage (dsflow.train) resolves everything first and writes checkpoints/run.json; one
 rank of node 0 reads that plan and hands it to every rank (shared_plan), so all ranks, on every
-node, agree on batch, steps and config. The loop is
-top to bottom here: build, resume, step (micro-batches -> DeepSpeed), balance experts, log,
-validate, checkpoint, export.
+node, agree on batch, steps and config. The loop is top to bottom here: build, resume, step
+(micro-batches -> DeepSpeed), balance experts, log, validate, checkpoint, export.
 """
 
 from __future__ import annotations
