@@ -95,3 +95,16 @@ def test_train_job_asks_for_nodes_gpus_per_node_and_one_task_per_node(tmp_path):
     # on the first node, Snakemake's jobstep executor runs the rule, whose stage then starts
     # itself on every node (srun; tests/test_multinode.py)
     assert "--target-jobs 'train:'" in wrap and "--executor slurm-jobstep" in wrap
+
+
+def test_evaluate_job_asks_for_one_node_with_the_gpus(tmp_path):
+    repo = copy_project(tmp_path / "repo")
+    update_params(repo, CLUSTER)
+    with_train_inputs(repo)
+    dry = run(["snakemake", "-n", "--profile", "profiles/slurm", "evaluate"], cwd=repo).stdout
+    jobs = dry.split("rule ")
+    evaluate = next(j for j in jobs if j.startswith("evaluate:"))
+    resources = next(x for x in evaluate.splitlines() if x.strip().startswith("resources:"))
+    assert "nodes=1" in resources and "gres=gpu:4" in resources
+    train = next(j for j in jobs if j.startswith("train:"))
+    assert "nodes=2" in train

@@ -46,11 +46,11 @@ def train_gpus():
     return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
-def train_cluster_resources():
-    """Per-node resources of a cluster job for the train rule (Snakemake's SLURM executor, see
-    profiles/slurm/): train.nodes nodes, each with train.gpus GPUs and one task, as the train
-    stage runs once per node and starts that node's ranks itself."""
-    nodes, gpus = config["train"]["nodes"], train_gpus()
+def cluster_resources(nodes=1):
+    """What a cluster job (Snakemake's SLURM executor, see profiles/slurm/) asks for: `nodes`
+    nodes, each with train.gpus GPUs and one task. The train rule asks for train.nodes: its
+    stage runs once per node and starts that node's ranks itself; evaluate runs on one node."""
+    gpus = train_gpus()
     if gpus:
         # --gres is per node; with GPUs and no task count, sbatch runs one task per node.
         return {"nodes": nodes, "gres": f"gpu:{gpus}"}

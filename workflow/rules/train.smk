@@ -27,7 +27,7 @@ rule train:
         **P("seed", "model", "train"),
     resources:
         gpus=train_gpus(),
-        **train_cluster_resources(),
+        **cluster_resources(nodes=config["train"]["nodes"]),
     threads: os.cpu_count() or 1  # Snakemake caps this at --cores
     log:
         "logs/train.log",
