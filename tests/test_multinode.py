@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -164,3 +166,40 @@ def test_a_node_with_other_params_is_refused(prepared, tmp_path):
     assert "planned a different run than node 0" in last and "same params and data" in last
     assert "another node planned a different run than node 0" in err0.strip().splitlines()[-1]
     assert not (repo / "models/final").exists()
+
+
+def test_a_signal_to_one_node_stops_every_rank_and_the_run_resumes(prepared, one_node, tmp_path):
+    repo = copy_of(prepared, tmp_path / "repo", TWO_NODES)
+    update_params(repo, {"train": {"master_addr": "127.0.0.1", "master_port": free_port()}})
+    slow = {"DSFLOW_FAULT_STEP_DELAY": "1"}
+    procs = [start_node(repo, 0, **slow), start_node(repo, 1, **slow)]
+    tsv = repo / "dvclive/plots/metrics/train/loss.tsv"
+    deadline = time.monotonic() + 240
+    while not (tsv.exists() and len(tsv.read_text().splitlines()) > 1):
+        assert time.monotonic() < deadline and procs[1].poll() is None, "no step logged"
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)  # node 1 only
+    (code0, err0), (code1, err1) = finish(procs)
+    saved = (repo / "checkpoints/latest").read_text().strip()
+    assert saved in ("step00000001", "step00000002")
+    assert code1 == 128 + signal.SIGTERM, err1[-3000:]
+    assert (
+        err1.strip()
+        .splitlines()[-1]
+        .endswith(f"interrupted by SIGTERM: checkpoint {saved} saved; rerun to resume from it")
+    )
+    assert code0 == 2, err0[-3000:]
+    assert (
+        err0.strip()
+        .splitlines()[-1]
+        .endswith(
+            f"the ranks stopped on request (checkpoints/.stop): checkpoint {saved} saved; rerun to "
+            "resume from it"
+        )
+    )
+    assert not (repo / "checkpoints/.stop").exists() and not (repo / "models/final").exists()
+
+    (code0, err0), (code1, err1) = finish([start_node(repo, 0), start_node(repo, 1)])
+    assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
+    assert f"resumed from step {int(saved[4:])}" in err0 + err1
+    assert losses(repo) == pytest.approx(losses(one_node), rel=1e-6)

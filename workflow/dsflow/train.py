@@ -149,11 +149,17 @@ def launch_env(plan: dict) -> dict:
     return env
 
 
-def _previous_fingerprint(root: Path) -> str | None:
+def _run_json(root: Path) -> dict:
+    """The plan node 0 wrote for the current (or last) run; {} when unreadable."""
     try:
-        return json.loads((root / "run.json").read_text()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
-        return None
+        run = json.loads((root / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return run if isinstance(run, dict) else {}
+
+
+def _previous_fingerprint(root: Path) -> str | None:
+    return _run_json(root).get("fingerprint")
 
 
 def zero_partitioned(plan: dict) -> bool | None:
@@ -375,15 +381,20 @@ def _run_locked(plan: dict, nccl: dict, nodes: launcher.Nodes, lock: ckpt.RunLoc
     if status:  # a rank's one-line reason (the ranks may even have exited cleanly)
         raise UsageError(status.splitlines()[0])
     last = ckpt.resume_tag(root, plan["world"], zero_partitioned(plan))
-    resumed_from = plan.get("resume")
-    if forwarder.received and not (code == 0 and last and ckpt.step_of(last) >= plan["steps"]):
-        name = signal.Signals(forwarder.received[0]).name
+    finished = code == 0 and last and ckpt.step_of(last) >= plan["steps"]
+    # A clean exit before the last step: the ranks were asked to stop (checkpoints/.stop), by
+    # this stage's signal handler or, with several nodes, by another node's.
+    if (forwarder.received or code == 0) and not finished:
+        resumed_from = plan["resume"] if nodes.leader else _run_json(root).get("resume")
         if last and last != resumed_from:
             what = f"checkpoint {last} saved; rerun to resume from it"
         elif last:
             what = f"stopped before a new checkpoint was saved; rerun to resume from {last}"
         else:
             what = "stopped before any checkpoint was saved; rerun to start over"
+        if not forwarder.received:
+            raise UsageError(f"the ranks stopped on request (checkpoints/.stop): {what}")
+        name = signal.Signals(forwarder.received[0]).name
         raise Interrupted(f"interrupted by {name}: {what}", 128 + forwarder.received[0])
     if code == 0:
         return
