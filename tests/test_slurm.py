@@ -108,3 +108,12 @@ def test_evaluate_job_asks_for_one_node_with_the_gpus(tmp_path):
     assert "nodes=1" in resources and "gres=gpu:4" in resources
     train = next(j for j in jobs if j.startswith("train:"))
     assert "nodes=2" in train
+
+
+def test_cpu_train_job_asks_for_one_task_per_node(tmp_path):
+    repo = copy_project(tmp_path / "repo")
+    update_params(repo, {"train": {"device": "cpu", "gpus": 4, "nodes": 3}})
+    with_train_inputs(repo)
+    args = submit(repo, fake_slurm(tmp_path), tmp_path)
+    assert "--nodes=3" in args and "--ntasks=3" in args
+    assert not [a for a in args if a.startswith(("--gres", "--gpus"))]
