@@ -48,8 +48,8 @@ def train_gpus():
 
 def cluster_resources(nodes=1):
     """What a cluster job (Snakemake's SLURM executor, see profiles/slurm/) asks for: `nodes`
-    nodes, each with train.gpus GPUs and one task. The train rule asks for train.nodes: its
-    stage runs once per node and starts that node's ranks itself; evaluate runs on one node."""
+    nodes, each with train.gpus GPUs and one task. Training asks for train.nodes nodes (its
+    stage runs once per node and starts that node's ranks itself), evaluation for one."""
     gpus = train_gpus()
     if gpus:
         # --gres is per node; with GPUs and no task count, sbatch runs one task per node.
