@@ -56,6 +56,11 @@ RESUMABLE_KEYS = {
     "force",
     "max_bad_steps",
     "perf",  # fast paths change speed, not the math
+    # where the ranks run, not what they compute (the world size is fingerprinted on its own)
+    "node_rank",
+    "master_addr",
+    "rdzv_id",
+    "hostfile",
 }
 
 

@@ -74,7 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from dsflow.progress import log, setup_logging
 
-        setup_logging(args.stage)
+        if args.stage == "train":  # several nodes may share logs/: one log per node
+            from dsflow.launch import log_name
+
+            setup_logging(log_name(params["train"]))
+        else:
+            setup_logging(args.stage)
         start = time.perf_counter()
         module = importlib.import_module(STAGES[args.stage])
         if args.stage in ("plan", "doctor"):

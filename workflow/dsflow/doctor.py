@@ -274,12 +274,21 @@ def diagnose(facts: dict, params: dict, plan: dict | None = None) -> list[Check]
                 if ib_env is not None
                 else "dsflow train sets NCCL_IB_DISABLE=1"
             )
+            nodes = params["train"].get("nodes", 1)
             checks.append(
                 Check(
                     "infiniband",
                     OK,
                     f"no InfiniBand (single node: NCCL does not need it); {state}",
                     "" if ib_env == "1" else "export NCCL_IB_DISABLE=1",
+                )
+                if nodes == 1
+                else Check(
+                    "infiniband",
+                    WARN,
+                    f"no InfiniBand on this node of {nodes}: NCCL sends every gradient between "
+                    f"nodes over TCP sockets, often the bottleneck; {state}",
+                    "use nodes with InfiniBand/RoCE, or raise grad_accum to sync less often",
                 )
             )
         versions = (
@@ -310,7 +319,8 @@ def diagnose(facts: dict, params: dict, plan: dict | None = None) -> list[Check]
 
     if plan is None:
         try:
-            plan = _plan_for(facts, params, world)
+            # ZeRO partitions over every rank of every node.
+            plan = _plan_for(facts, params, world * params["train"].get("nodes", 1))
         except UsageError as e:
             checks.append(Check("plan", FAIL, f"cannot plan the run: {e}", "fix the params"))
             return checks

@@ -1007,7 +1007,8 @@ def resolve(
       (what train uses); without shards ``tokenizer.vocab_size`` (what the tokenizer stage will
       train, unless ``tokenizer.pretrained`` or ``--model``); the preset's
       ``published_vocab_size``; 32000.
-    - world: ``world`` / ``--gpus`` / ``train.gpus`` (auto: the visible GPUs, else 1).
+    - world: ``world`` / ``--gpus`` / ``train.gpus`` x ``train.nodes`` (auto: the visible GPUs,
+      else 1).
     - GPU memory: ``gpu_mem_bytes`` / ``--gpu-mem``; the smallest of the visible GPUs used
       (``torch.cuda.get_device_properties``); a GPU named by a profile file (rtx4090x3.yaml);
       else unknown. Host RAM: ``host_mem_bytes`` / ``--host-mem``; this machine's when its
@@ -1038,6 +1039,8 @@ def resolve(
         world = _arg(args, "gpus") or train["gpus"]
         if world == "auto":
             world = len(gpus) or 1
+        if not _arg(args, "gpus"):  # train.gpus is per node
+            world = int(world) * train.get("nodes", 1)
     world = int(world)
     if world < 1:
         raise UsageError(f"--gpus must be >= 1, got {world}")

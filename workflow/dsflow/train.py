@@ -8,6 +8,11 @@ While the ranks run, the stage holds checkpoints/.lock (a second run in the same
 at once), forwards SIGTERM / SIGINT as a request to checkpoint at the next step boundary (a second
 signal stops the launcher at once), and turns a rank's failure into one line. See
 docs/reliability.md.
+
+Several nodes (dsflow.launch): every node runs this stage. Node 0 does all of the above; the
+others check the same things, then only launch their ranks: they take no lock and write nothing
+in checkpoints/ (on a shared filesystem the leader's run.json reaches every rank over the
+rendezvous, and a node whose plan differs from node 0's is refused by the ranks).
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +30,7 @@ from pathlib import Path
 
 from dsflow import checkpoint as ckpt
 from dsflow import dsconfig
+from dsflow import launch as launcher
 from dsflow.atomic import write_json
 from dsflow.data import load_index
 from dsflow.errors import UsageError
@@ -84,7 +89,8 @@ def check_pretrained_vocab(pretrained: str | None, vocab: int) -> None:
 
 def plan_run(params: dict) -> dict:
     train = params["train"]
-    device, world = resolve_device(train)
+    device, local_ranks = resolve_device(train)
+    world = local_ranks * train["nodes"]
     batch = dsconfig.resolve_batch(
         train["micro_batch"], train["grad_accum"], train["global_batch"], world
     )
@@ -111,6 +117,8 @@ def plan_run(params: dict) -> dict:
         "params": params,
         "device": device,
         "world": world,
+        "nodes": train["nodes"],
+        "local_ranks": local_ranks,
         "batch": {"micro": batch.micro, "accum": batch.accum, "global": batch.global_batch},
         "steps": steps,
         "vocab_size": vocab,
@@ -120,66 +128,38 @@ def plan_run(params: dict) -> dict:
     }
 
 
-def free_port() -> int:
-    """A port nothing listens on now, so two runs on one machine do not collide."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = launcher.free_port
+torchrun_command = launcher.torchrun_command
 
 
-def launch_command(plan: dict) -> list[str]:
-    train = plan["params"]["train"]
-    world, port = plan["world"], str(train["master_port"] or free_port())
-    if train["launcher"] == "deepspeed":
-        return [
-            sys.executable,
-            "-m",
-            "deepspeed.launcher.runner",
-            "--num_gpus",
-            str(world),
-            "--master_port",
-            port,
-            "--module",
-            "dsflow.worker",
-        ]
-    return torchrun_command(world, port, "dsflow.worker")
-
-
-def torchrun_command(world: int, port: str, module: str) -> list[str]:
-    """torchrun starting `world` local ranks of `python -m module`."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        str(world),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        port,
-        "-m",
-        module,
-    ]
+def launch_command(plan: dict, nodes: launcher.Nodes) -> list[str]:
+    return launcher.command(plan["params"]["train"], plan["local_ranks"], nodes)
 
 
 def launch_env(plan: dict) -> dict:
     env = dict(os.environ)
+    local = plan.get("local_ranks", plan["world"])
+    env["DSFLOW_DEVICE"] = plan["device"]
     if plan["device"] == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
         # Ranks share the cores: more threads than cores would make every rank slower.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan["world"])))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
 
-def _previous_fingerprint(root: Path) -> str | None:
+def _run_json(root: Path) -> dict:
+    """The plan node 0 wrote for the current (or last) run; {} when unreadable."""
     try:
-        return json.loads((root / "run.json").read_text()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
-        return None
+        run = json.loads((root / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return run if isinstance(run, dict) else {}
+
+
+def _previous_fingerprint(root: Path) -> str | None:
+    return _run_json(root).get("fingerprint")
 
 
 def zero_partitioned(plan: dict) -> bool | None:
@@ -220,7 +200,9 @@ def preflight(params: dict, plan: dict) -> dict:
         first = fails[0]
         raise UsageError(f"doctor: {first.name}: {first.detail}; {first.fix}".rstrip("; "))
     if plan["device"] == "cuda" and not params["train"]["force"]:
-        mem = min(g["total_memory"] for g in facts["gpus"][: plan["world"]])
+        mem = min(
+            g["total_memory"] for g in facts["gpus"][: plan.get("local_ranks", plan["world"])]
+        )
         planner.check_fits(params, plan["world"], plan["device"], mem)
     return doctor.nccl_env(facts) if plan["device"] == "cuda" else {}
 
@@ -289,45 +271,99 @@ def run(params: dict) -> None:
             "weights and MoE leaf modules are missing); use 0, 1 or 2"
         )
     plan = plan_run(params)
+    if launcher.slurm_fanout(params["train"]):
+        _run_on_slurm_nodes(params, plan)
+        return
+    nodes = launcher.resolve_nodes(params["train"], plan["local_ranks"])
     nccl = preflight(params, plan)
     for key, value in nccl.items():
         log.info("setting %s=%s for this machine (see python -m dsflow doctor)", key, value)
-    with ckpt.RunLock(ckpt.CHECKPOINTS) as lock:
-        _run_locked(plan, nccl, lock)
+    if nodes.leader:
+        with ckpt.RunLock(ckpt.CHECKPOINTS) as lock:
+            _run_locked(plan, nccl, nodes, lock)
+        log.info("done: models/final, metrics/train.json")
+    else:
+        _run_locked(plan, nccl, nodes, None)
+        log.info("done: node %d of %d", nodes.rank, nodes.count)
+
+
+def _run_on_slurm_nodes(params: dict, plan: dict) -> None:
+    """In a SLURM allocation, started once: run this stage on every node (srun), and wait."""
+    train = params["train"]
+    cmd = launcher.slurm_command(train, plan["local_ranks"], plan["device"])
+    env = launcher.slurm_env(train, json.dumps(params, sort_keys=True))
+    log.info(
+        "SLURM job %s: the train stage on %d nodes, rendezvous %s:%s: %s",
+        env.get("SLURM_JOB_ID"),
+        train["nodes"],
+        env["MASTER_ADDR"],
+        env["MASTER_PORT"],
+        " ".join(cmd[:6]),
+    )
+    try:
+        proc = subprocess.Popen(cmd, env=env)
+    except FileNotFoundError:
+        raise UsageError(
+            "train.nodes: SLURM_JOB_ID is set but srun is not on PATH; load SLURM's tools, or "
+            "set train.node_rank on each node to launch them yourself"
+        ) from None
+    try:
+        code = proc.wait()
+    except BaseException:
+        proc.send_signal(signal.SIGTERM)  # srun forwards it to every node's stage
+        proc.wait()
+        raise
+    if code != 0:
+        raise UsageError(
+            f"training failed on the SLURM nodes (srun exit {code}); see the node output above; "
+            "rerun to resume from the last checkpoint"
+        )
     log.info("done: models/final, metrics/train.json")
 
 
-def _run_locked(plan: dict, nccl: dict, lock: ckpt.RunLock) -> None:
+def _run_locked(plan: dict, nccl: dict, nodes: launcher.Nodes, lock: ckpt.RunLock | None) -> None:
+    """Launch this node's ranks and wait. The leader (node 0, holding `lock`) prepares
+    checkpoints/ first and cleans up after; the other nodes leave checkpoints/ alone."""
     root = ckpt.CHECKPOINTS
-    prepare_run_dir(plan)
+    if nodes.leader:
+        prepare_run_dir(plan)
     batch = plan["batch"]
     log.info(
-        "%d rank(s) on %s, micro %d x accum %d x %d = batch %d, %d steps, resume: %s",
+        "%d rank(s) on %s%s, micro %d x accum %d x %d = batch %d, %d steps, resume: %s",
         plan["world"],
         plan["device"],
+        f" ({nodes.count} nodes, this is node {nodes.rank})" if nodes.count > 1 else "",
         batch["micro"],
         batch["accum"],
         plan["world"],
         batch["global"],
         plan["steps"],
-        plan["resume"] or "none",
+        plan.get("resume", "decided by node 0") or "none",
     )
     status_dir = Path(tempfile.mkdtemp(prefix="dsflow-train-"))
     status_file = status_dir / "status"
     env = {**launch_env(plan), **nccl, "DSFLOW_STATUS_FILE": str(status_file)}
+    # Node 0's ranks hand run.json to every rank; the others check it against their own plan
+    # (worker.shared_plan).
+    if nodes.leader:
+        env[launcher.PLAN_SOURCE_ENV] = "1"
+    else:
+        env[launcher.FINGERPRINT_ENV] = plan["fingerprint"]
     try:
         with SignalForwarder(root) as forwarder:
             # Its own session: a terminal's Ctrl-C reaches this process only, which turns it
             # into a checkpoint-and-stop request instead of the launcher's 30 s kill timer.
             proc = subprocess.Popen(
-                launch_command(plan),
+                launch_command(plan, nodes),
                 env=env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent(),
-                pass_fds=(lock.fd,),  # the launcher holds the lock until its ranks are gone
+                # the launcher holds the lock until its ranks are gone
+                pass_fds=(lock.fd,) if lock else (),
             )
             forwarder.proc = proc
-            lock.write_holder(f"{os.getpid()}, launcher {proc.pid}")
+            if lock:
+                lock.write_holder(f"{os.getpid()}, launcher {proc.pid}")
             try:
                 code = proc.wait()
             except BaseException:
@@ -337,21 +373,28 @@ def _run_locked(plan: dict, nccl: dict, lock: ckpt.RunLock) -> None:
         status = status_file.read_text().strip() if status_file.exists() else ""
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
-        (root / ckpt.STOP_FILE).unlink(missing_ok=True)
-        # Every rank is gone: what an interrupted save left behind only takes space.
-        for name in ckpt.remove_temp_tags(root):
-            log.info("removed %s/%s, left by an interrupted checkpoint save", root, name)
+        if nodes.leader:
+            (root / ckpt.STOP_FILE).unlink(missing_ok=True)
+            # Every rank is gone: what an interrupted save left behind only takes space.
+            for name in ckpt.remove_temp_tags(root):
+                log.info("removed %s/%s, left by an interrupted checkpoint save", root, name)
     if status:  # a rank's one-line reason (the ranks may even have exited cleanly)
         raise UsageError(status.splitlines()[0])
     last = ckpt.resume_tag(root, plan["world"], zero_partitioned(plan))
-    if forwarder.received and not (code == 0 and last and ckpt.step_of(last) >= plan["steps"]):
-        name = signal.Signals(forwarder.received[0]).name
-        if last and last != plan["resume"]:
+    finished = code == 0 and last and ckpt.step_of(last) >= plan["steps"]
+    # A clean exit before the last step: the ranks were asked to stop (checkpoints/.stop), by
+    # this stage's signal handler or, with several nodes, by another node's.
+    if (forwarder.received or code == 0) and not finished:
+        resumed_from = plan["resume"] if nodes.leader else _run_json(root).get("resume")
+        if last and last != resumed_from:
             what = f"checkpoint {last} saved; rerun to resume from it"
         elif last:
             what = f"stopped before a new checkpoint was saved; rerun to resume from {last}"
         else:
             what = "stopped before any checkpoint was saved; rerun to start over"
+        if not forwarder.received:
+            raise UsageError(f"the ranks stopped on request (checkpoints/.stop): {what}")
+        name = signal.Signals(forwarder.received[0]).name
         raise Interrupted(f"interrupted by {name}: {what}", 128 + forwarder.received[0])
     if code == 0:
         return

@@ -1,9 +1,9 @@
 """One training rank: `python -m dsflow.worker` is what torchrun / the DeepSpeed launcher start.
 
-The train stage (dsflow.train) resolves everything first and writes checkpoints/run.json; every
-rank reads that plan, so all ranks agree on batch, steps and config without talking. The loop is
-top to bottom here: build, resume, step (micro-batches -> DeepSpeed), balance experts, log,
-validate, checkpoint, export.
+The train stage (dsflow.train) resolves everything first and writes checkpoints/run.json; one
+rank of node 0 reads that plan and hands it to every rank (shared_plan), so all ranks, on every
+node, agree on batch, steps and config. The loop is top to bottom here: build, resume, step
+(micro-batches -> DeepSpeed), balance experts, log, validate, checkpoint, export.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import random
 import resource
 import shutil
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from dsflow import checkpoint as ckpt
 from dsflow import kernels
+from dsflow import launch
 from dsflow.atomic import atomic_dir, atomic_file
 from dsflow.balance import ExpertBalancer
 from dsflow.data import BatchLoader, ShardReader
@@ -405,10 +407,39 @@ def save_failure(exc: BaseException, tag: str, previous: str | None, rank: int) 
     return f"cannot save checkpoint {tag} (rank {rank}: {reason}); {kept}: fix it and {rerun}"
 
 
+def shared_plan(device) -> tuple[dict, dict] | None:
+    """(run.json, ds_config.json) as node 0's train stage wrote them, on every rank.
+
+    The first rank launched by node 0's stage (PLAN_SOURCE_ENV; rank 0 when no rank says so,
+    e.g. under DeepSpeed's pdsh launcher) reads them and broadcasts, so another node never
+    reads a stale run.json. A rank whose own stage planned differently (FINGERPRINT_ENV: other
+    params or data on that node) makes every rank stop: None, after reporting why.
+    """
+    sources = all_gather_int(1 if os.environ.get(launch.PLAN_SOURCE_ENV) else 0, device)
+    source = sources.index(1) if 1 in sources else 0
+    box: list = [None, None]
+    if dist.get_rank() == source:
+        box = [
+            json.loads((ckpt.CHECKPOINTS / "run.json").read_text()),
+            json.loads((ckpt.CHECKPOINTS / "ds_config.json").read_text()),
+        ]
+    dist.broadcast_object_list(box, src=source)
+    mine = os.environ.get(launch.FINGERPRINT_ENV)
+    differs = bool(mine) and mine != box[0]["fingerprint"]
+    if all_sum([1.0 if differs else 0.0], device)[0]:
+        who = f"node {socket.gethostname()} (run {mine})" if differs else "another node"
+        report_fatal(
+            f"{who} planned a different run than node 0 (run {box[0]['fingerprint']}): every "
+            "node needs the same params and data shards"
+        )
+        return None
+    return box[0], box[1]
+
+
 def main() -> int:
-    plan = json.loads((ckpt.CHECKPOINTS / "run.json").read_text())
-    params, train = plan["params"], plan["params"]["train"]
-    device_type = plan["device"]
+    device_type = os.environ.get("DSFLOW_DEVICE") or (
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )
 
     import deepspeed
 
@@ -420,6 +451,11 @@ def main() -> int:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    shared = shared_plan(device)
+    if shared is None:
+        return EXIT_FATAL
+    plan, ds_config = shared
+    params, train = plan["params"], plan["params"]["train"]
     assert world == plan["world"], f"launched {world} ranks, the plan says {plan['world']}"
     Stop.install()
     faults = Faults(rank)
@@ -436,7 +472,6 @@ def main() -> int:
     balance = train["balance"]
     balancer = ExpertBalancer(model, gamma=balance["gamma"], seq_aux_alpha=balance["seq_aux_alpha"])
 
-    ds_config = json.loads((ckpt.CHECKPOINTS / "ds_config.json").read_text())
     perf = kernels.resolve(
         train.get("perf", {}), device_type, ds_config["zero_optimization"]["stage"]
     )

@@ -44,3 +44,14 @@ def train_gpus():
         return 0
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def cluster_resources(nodes=1):
+    """What a cluster job (Snakemake's SLURM executor, see profiles/slurm/) asks for: `nodes`
+    nodes, each with train.gpus GPUs and one task. Training asks for train.nodes nodes (its
+    stage runs once per node and starts that node's ranks itself), evaluation for one."""
+    gpus = train_gpus()
+    if gpus:
+        # --gres is per node; with GPUs and no task count, sbatch runs one task per node.
+        return {"nodes": nodes, "gres": f"gpu:{gpus}"}
+    return {"nodes": nodes, "tasks": nodes}

@@ -14,6 +14,7 @@ rule evaluate:
         **P("seed", "evaluate", "train.seq_len", "train.device", "train.gpus"),
     resources:
         gpus=train_gpus(),
+        **cluster_resources(),
     log:
         "logs/evaluate.log",
     shell:

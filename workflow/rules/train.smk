@@ -7,6 +7,7 @@ rule train:
     input:
         code(
             "train",
+            "launch",
             "worker",
             "model",
             "balance",
@@ -28,6 +29,7 @@ rule train:
         **P("seed", "model", "train"),
     resources:
         gpus=train_gpus(),
+        **cluster_resources(nodes=config["train"]["nodes"]),
     threads: os.cpu_count() or 1  # Snakemake caps this at --cores
     log:
         "logs/train.log",
