@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dsflow import checkpoint as ckpt
-from dsflow import kernels
-from dsflow import launch
+from dsflow import kernels, launch
 from dsflow.atomic import atomic_dir, atomic_file
 from dsflow.balance import ExpertBalancer
 from dsflow.data import BatchLoader, ShardReader
