@@ -7,6 +7,8 @@ val, evaluate, the exported-model check) measures exactly the same thing.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -38,21 +40,34 @@ def evaluate_loss(
     rank: int = 0,
     world: int = 1,
     max_windows: int | None = None,
+    lockstep: bool = False,
 ) -> tuple[float, int]:
     """Summed NLL and token count over the reader's first `max_windows` windows, this rank's
-    share (round-robin); callers all-reduce the pair across ranks."""
+    share (round-robin); callers all-reduce the pair across ranks.
+
+    `lockstep`: every rank runs the same number of forwards (what ZeRO-3 needs: each forward
+    gathers parameters from all ranks); a rank whose share is shorter runs forwards on a
+    padding batch whose loss is not counted."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total, count, forwards = 0.0, 0, 0
     batch: list[np.ndarray] = []
     windows = reader.sequential(rank, world, max_windows)
     for window in windows:
         batch.append(window)
         if len(batch) == micro:
             total, count = _accumulate(model, batch, device, total, count)
+            forwards += 1
             batch = []
     if batch:
         total, count = _accumulate(model, batch, device, total, count)
+        forwards += 1
+    if lockstep:
+        n = reader.num_windows if max_windows is None else min(max_windows, reader.num_windows)
+        most = math.ceil(math.ceil(n / world) / micro)  # rank 0's share is the largest
+        pad = [reader.tokens(0, reader.seq_len + 1)]
+        for _ in range(most - forwards):
+            _accumulate(model, pad, device, 0.0, 0)
     model.train(was_training)
     return total, count
 

@@ -13,7 +13,9 @@ docs/reliability.md.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -104,9 +106,10 @@ def plan_run(params: dict) -> dict:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
     # Every shard's sha256 is checked here, once, so a corrupted shard is one line naming the
     # file, not a traceback from every rank (the ranks then skip the check).
-    data_sha = ":".join(
+    shards = ":".join(
         s["sha256"] for split in ("train", "val") for s in load_index(SHARDS / split)["shards"]
     )
+    data_sha = hashlib.sha256(shards.encode()).hexdigest()
     return {
         "params": params,
         "device": device,
@@ -114,7 +117,8 @@ def plan_run(params: dict) -> dict:
         "batch": {"micro": batch.micro, "accum": batch.accum, "global": batch.global_batch},
         "steps": steps,
         "vocab_size": vocab,
-        "fingerprint": ckpt.fingerprint(params, world, data_sha),
+        "fingerprint": ckpt.fingerprint(params, batch.global_batch, data_sha),
+        "data_sha": data_sha,
         "data_verified": True,
         "ds_config": ds_config,
     }
@@ -196,16 +200,71 @@ def prepare_run_dir(plan: dict) -> None:
     (root / ckpt.STOP_FILE).unlink(missing_ok=True)
     resume = ckpt.resume_tag(root, plan["world"], zero_partitioned(plan), note=log.info)
     if resume and _previous_fingerprint(root) != plan["fingerprint"]:
+        check_elastic_batch(root, plan)
         log.info("checkpoints/ holds a different run (params changed): starting fresh")
         resume = None
     if resume:
         if ckpt.latest_tag(root) != resume:
             ckpt.set_latest(root, resume)
+        saved = ckpt.saved_world(root, resume)
+        if saved is not None and saved != plan["world"]:
+            log.info(
+                "%s was saved by %d rank(s), this run has %d: converting it to a universal "
+                "checkpoint (deepspeed.checkpoint.ds_to_universal) to resume from",
+                resume,
+                saved,
+                plan["world"],
+            )
+            resume = ckpt.to_universal(root, resume)
+            plan["ds_config"] = {**plan["ds_config"], "checkpoint": {"load_universal": True}}
     else:
         ckpt.clear(root)
     plan["resume"] = resume
     write_json(root / "ds_config.json", plan["ds_config"])
     write_json(root / "run.json", {k: v for k, v in plan.items() if k != "ds_config"})
+
+
+def check_elastic_batch(root: Path, plan: dict) -> None:
+    """A run resumed on another number of ranks must keep its global batch: when that is the
+    only difference from the run in checkpoints/, say how to keep it (rather than start over)."""
+    try:
+        previous = json.loads((root / "run.json").read_text())
+        old_world, old_batch = previous["world"], previous["batch"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    new_batch = plan["batch"]
+    if old_world == plan["world"] or old_batch["global"] == new_batch["global"]:
+        return
+    same = ckpt.fingerprint(plan["params"], old_batch["global"], plan.get("data_sha", ""))
+    if same != previous.get("fingerprint"):
+        return
+    raise UsageError(
+        f"train: checkpoints/ holds this run at global batch {old_batch['global']} "
+        f"({old_batch['micro']} x {old_batch['accum']} x {old_world} ranks); on {plan['world']} "
+        f"rank(s) micro_batch {new_batch['micro']} x grad_accum {new_batch['accum']} gives "
+        f"{new_batch['global']}: set train.global_batch: {old_batch['global']} with a micro_batch "
+        f"that divides it by {plan['world']} (grad_accum: null) to resume, or remove checkpoints/ "
+        "to start over"
+    )
+
+
+def resolve_zero(params: dict, world: int, device: str) -> dict:
+    """`train.zero_stage: auto`: the cheapest memory layout the planner says fits (ZeRO-2, then
+    ZeRO-3, then CPU offload of the optimizer, then of the parameters); params with it set."""
+    if params["train"]["zero_stage"] != "auto":
+        return params
+    from dsflow import plan as planner
+
+    params = copy.deepcopy(params)
+    stage, opt, par, why = planner.auto_layout(params, world, device)
+    train = params["train"]
+    train["zero_stage"] = stage
+    if opt and train["offload"]["optimizer"] == "none":
+        train["offload"]["optimizer"] = "cpu"
+    if par and train["offload"]["param"] == "none":
+        train["offload"]["param"] = "cpu"
+    log.info("train.zero_stage: auto -> %s (%s)", dsconfig.layout(train), why)
+    return params
 
 
 def preflight(params: dict, plan: dict) -> dict:
@@ -283,11 +342,8 @@ class SignalForwarder:
 
 
 def run(params: dict) -> None:
-    if params["train"]["zero_stage"] == 3:
-        raise UsageError(
-            "train.zero_stage: 3 is not supported by the train stage yet (export of partitioned "
-            "weights and MoE leaf modules are missing); use 0, 1 or 2"
-        )
+    device, world = resolve_device(params["train"])
+    params = resolve_zero(params, world, device)
     plan = plan_run(params)
     nccl = preflight(params, plan)
     for key, value in nccl.items():

@@ -384,6 +384,15 @@ def main() -> int:
     balancer = ExpertBalancer(model, gamma=balance["gamma"], seq_aux_alpha=balance["seq_aux_alpha"])
 
     ds_config = json.loads((ckpt.CHECKPOINTS / "ds_config.json").read_text())
+    zero3 = ds_config["zero_optimization"].get("stage", 0) == 3
+    if zero3 and balancer.routers:
+        # ZeRO-3 gathers a module's parameters when its forward starts, following the order
+        # it traced; routed experts run in a data-dependent order (or not at all), and the
+        # ranks then wait on each other's gathers forever. Leaf: the whole MoE block at once.
+        from deepspeed.utils import set_z3_leaf_modules
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+        set_z3_leaf_modules(model, [DeepseekV3MoE])
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -403,8 +412,12 @@ def main() -> int:
         health_state = client.get("health")
         if len(client["rng"]) == world:
             set_rng_state(client["rng"][rank])
+        balancer.sync_bias()
         if rank == 0:
-            print(f"[dsflow train] resumed from step {start}", file=sys.stderr)
+            elastic = (
+                f" (saved by {len(client['rng'])} ranks)" if len(client["rng"]) != world else ""
+            )
+            print(f"[dsflow train] resumed from step {start}{elastic}", file=sys.stderr)
     health = StepHealth(train.get("max_bad_steps", 10), health_state)
 
     micro, accum = plan["batch"]["micro"], plan["batch"]["accum"]
@@ -430,6 +443,8 @@ def main() -> int:
             rank=rank,
             world=world,
             max_windows=val_windows,
+            # ZeRO-3 gathers parameters inside every forward: all ranks must run as many.
+            lockstep=zero3,
         )
         total, count = all_sum([total, count], device)
         return total / count
@@ -613,10 +628,12 @@ def main() -> int:
         save(steps)
     if val_loss is None:
         val_loss = validate()
+    # ZeRO-3: every rank takes part in gathering the full weights, rank 0 keeps them.
+    weights = engine._zero3_consolidated_16bit_state_dict() if zero3 else None
     if rank == 0:
         if logger:
             logger.close()
-        export(engine.module)
+        export(engine.module, weights)
         hardware = {
             "device_name": device_name,
             "zero_stage": ds_config["zero_optimization"]["stage"],
@@ -642,12 +659,16 @@ def main() -> int:
     return 0
 
 
-def export(module) -> None:
-    """models/final in HF format: what `AutoModelForCausalLM.from_pretrained` loads."""
+def export(module, state_dict: dict | None = None) -> None:
+    """models/final in HF format: what `AutoModelForCausalLM.from_pretrained` loads.
+
+    The weights are the trained module's, in its dtype (fp32 for precision fp32, bf16 for bf16,
+    fp16 for fp16), the same for every ZeRO stage: under ZeRO-3 `state_dict` holds them
+    gathered from all ranks (engine._zero3_consolidated_16bit_state_dict, layer by layer)."""
     from transformers import AutoTokenizer
 
     with atomic_dir(FINAL) as tmp:
-        module.save_pretrained(tmp, safe_serialization=True)
+        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp)
 
 
