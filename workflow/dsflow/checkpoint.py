@@ -255,6 +255,7 @@ def to_universal(root: Path, tag: str) -> str:
                 "1",
                 "--num_merge_workers",
                 "1",
+                "--inject_missing_state",  # tags saved before dsflow marked them (worker.py)
             ],
             capture_output=True,
             text=True,

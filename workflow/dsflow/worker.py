@@ -393,6 +393,15 @@ def main() -> int:
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
         set_z3_leaf_modules(model, [DeepseekV3MoE])
+    # Marks the checkpoints as plain data parallel (no tensor/pipeline slicing), which is what
+    # deepspeed.checkpoint.ds_to_universal needs to convert them for an elastic resume.
+    from deepspeed.checkpoint import constants as ds_ckpt
+
+    setattr(
+        model,
+        ds_ckpt.UNIVERSAL_CHECKPOINT_INFO,
+        {ds_ckpt.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds_ckpt.UNIVERSAL_CHECKPOINT_VERSION_VALUE},
+    )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -412,6 +421,10 @@ def main() -> int:
         health_state = client.get("health")
         if len(client["rng"]) == world:
             set_rng_state(client["rng"][rank])
+        if "expert_bias" in client:
+            # A universal checkpoint (another world size) restores parameters only, not the
+            # module's buffers: the router biases come from the client state.
+            balancer.load_bias_state(client["expert_bias"])
         balancer.sync_bias()
         if rank == 0:
             elastic = (
@@ -465,6 +478,7 @@ def main() -> int:
             "rng": states,
             "fingerprint": plan["fingerprint"],
             "health": health.state(),
+            "expert_bias": balancer.bias_state(),
         }
         try:
             with faults.disk_full(engine, step_done):
