@@ -1293,13 +1293,18 @@ def run(params: dict, args: Any = None) -> None:
 
 
 def auto_layout(
-    params: dict, world: int, device_type: str, gpu_mem_bytes: int | None = None
+    params: dict,
+    world: int,
+    device_type: str,
+    gpu_mem_bytes: int | None = None,
+    host_mem_bytes: int | None = None,
 ) -> tuple[int, bool, bool, str]:
     """`train.zero_stage: auto`: (stage, offload optimizer, offload params, why) of the first
-    memory layout that fits, in cost order ZeRO-2, ZeRO-3, + optimizer offload, + parameter
-    offload, at the configured micro batch (offload asked for in train.offload is kept).
-    On CPU there is nothing to fit: ZeRO-2. Nothing fitting is a UsageError naming the
-    cheapest strategy that would (check_fits)."""
+    memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
+    offload, + parameter offload, at the configured micro batch (offload asked for in
+    train.offload is kept). On CPU there is nothing to fit: ZeRO-2. When nothing fits, a
+    UsageError names the cheapest strategy that would (smaller micro batch, checkpointing, a
+    smaller preset). Host RAM: `host_mem_bytes`, else this machine's."""
     offload = params["train"].get("offload") or {}
     want_opt = offload.get("optimizer", "none") != "none"
     want_par = offload.get("param", "none") != "none"
@@ -1311,8 +1316,9 @@ def auto_layout(
     req = resolve(pinned, None, world=world, gpu_mem_bytes=gpu_mem_bytes)
     if req.gpu_mem_bytes is None:
         return 2, want_opt, want_par, "GPU memory unknown: ZeRO-2"
-    host = host_memory_bytes()
+    host = host_mem_bytes if host_mem_bytes is not None else host_memory_bytes()
     layouts = [(2, False, False), (3, False, False), (3, True, False), (3, True, True)]
+    reason = ""
     for z, o, p in layouts:
         if (want_opt and not o) or (want_par and not p):
             continue
@@ -1321,16 +1327,22 @@ def auto_layout(
         est = estimate(req.config, seq_aux=req.seq_aux, **kwargs)
         fits, reason = verdict(est, req.gpu_mem_bytes, host)
         if fits:
-            return (
-                z,
-                o,
-                p,
-                f"{_gb(est['gpu']['total']):.1f} GB per GPU of {_gb(req.gpu_mem_bytes):.1f}",
-            )
-    pinned["train"]["zero_stage"] = 3
-    pinned["train"]["offload"] = {**offload, "optimizer": "cpu", "param": "cpu"}
-    check_fits(pinned, world, device_type, req.gpu_mem_bytes)
-    return 3, True, True, "the planner's check passed"  # not reached: check_fits raised
+            gb = f"{_gb(est['gpu']['total']):.1f} of {_gb(req.gpu_mem_bytes):.1f} GB per GPU"
+            return z, o, p, f"the planner's cheapest fit: {gb}"
+    rows = cheapest_fit(
+        req.config,
+        gpu_mem_bytes=req.gpu_mem_bytes,
+        host_mem_bytes=host,
+        **{**req.estimate_kwargs(), "offload_optimizer": want_opt, "offload_params": want_par},
+    )
+    rec = recommendation(rows)
+    hint = f"cheapest fit: {rec['strategy']}" if rec else "nothing fits, not even smaller presets"
+    msg = (
+        f"train.zero_stage: auto: no ZeRO layout fits {req.preset} at micro batch "
+        f"{req.micro_batch} on {world} GPU(s) (ZeRO-3 with CPU offload {reason}); {hint}; "
+        "see python -m dsflow plan"
+    )
+    raise UsageError(" ".join(msg.split()))
 
 
 def check_fits(params: dict, world: int, device_type: str, gpu_mem_bytes: int | None) -> None:

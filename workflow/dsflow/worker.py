@@ -258,7 +258,9 @@ class Faults:
     DSFLOW_FAULT_ENOSPC=s makes rank r's checkpoint writes of step s fail as a full disk does
     (a partial file, then ENOSPC). DSFLOW_FAULT_NAN_FROM_STEP=s turns the loss NaN from step s
     on. DSFLOW_FAULT_STEP_DELAY=t sleeps t seconds per step. DSFLOW_FAULT_MARK=path: the time
-    of a kill is written there first.
+    of a kill is written there first. DSFLOW_DATA_TRACE=path: every rank appends, per training
+    micro-batch, the step and the sha1 of each window it read to path.rankR (the elastic-resume
+    test checks a resumed run reads what an uninterrupted one reads).
     """
 
     def __init__(self, rank: int):
@@ -271,6 +273,7 @@ class Faults:
         self.nan_from = _env_int("DSFLOW_FAULT_NAN_FROM_STEP")
         self.delay = float(os.environ.get("DSFLOW_FAULT_STEP_DELAY") or 0)
         self.mark = os.environ.get("DSFLOW_FAULT_MARK")
+        self.data_trace = os.environ.get("DSFLOW_DATA_TRACE")
 
     def _kill(self, what: str) -> None:
         print(f"[dsflow fault] SIGKILL rank {self.rank} {what}", file=sys.stderr, flush=True)
@@ -296,6 +299,15 @@ class Faults:
     def in_save(self, step: int) -> None:
         if self._here(step, self.save_step):
             self._kill(f"while saving step {step}: temporary tag written, not yet renamed")
+
+    def trace(self, step: int, windows: np.ndarray) -> None:
+        if not self.data_trace:
+            return
+        import hashlib
+
+        digests = [hashlib.sha1(np.ascontiguousarray(w).tobytes()).hexdigest() for w in windows]
+        with open(f"{self.data_trace}.rank{self.rank}", "a") as f:
+            f.write(json.dumps({"step": step, "windows": digests}) + "\n")
 
     def nan(self, step: int) -> bool:
         return self.nan_from is not None and step >= self.nan_from
@@ -521,9 +533,9 @@ def main() -> int:
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         for a in range(accum):
             td = time.perf_counter()
-            inputs, targets = to_batch(
-                reader.micro_batch(step, a, rank, world, micro, accum), device
-            )
+            windows = reader.micro_batch(step, a, rank, world, micro, accum)
+            faults.trace(step + 1, windows)
+            inputs, targets = to_batch(windows, device)
             data_wait += time.perf_counter() - td
             loss = mean_loss(engine, inputs, targets)
             if faults.nan(step + 1):
