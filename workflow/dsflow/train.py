@@ -402,7 +402,8 @@ def _run_locked(plan: dict, nccl: dict, lock: ckpt.RunLock) -> None:
     last = ckpt.resume_tag(root, plan["world"], zero_partitioned(plan))
     if forwarder.received and not (code == 0 and last and ckpt.step_of(last) >= plan["steps"]):
         name = signal.Signals(forwarder.received[0]).name
-        if last and last != plan["resume"]:
+        resumed = (plan["resume"] or "").split("/")[0]  # "stepN/universal" is stepN
+        if last and last != resumed:
             what = f"checkpoint {last} saved; rerun to resume from it"
         elif last:
             what = f"stopped before a new checkpoint was saved; rerun to resume from {last}"

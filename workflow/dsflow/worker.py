@@ -474,7 +474,7 @@ def main() -> int:
         total, count = all_sum([total, count], device)
         return total / count
 
-    last_good = resume  # the newest complete checkpoint
+    last_good = resume.split("/")[0] if resume else None  # the newest complete checkpoint
 
     def save(step_done: int) -> None:
         """Atomic: every rank writes into a temporary tag; once all are done rank 0 records the
