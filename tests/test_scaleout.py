@@ -304,3 +304,18 @@ def test_elastic_resume_on_fewer_ranks_continues_the_same_run(prepared, zero2, t
         assert resumed[step] == reference[step], step
     assert_same_curve(losses(zero2), losses(repo))
     assert exported_val_loss(repo) == pytest.approx(exported_val_loss(zero2), rel=RTOL)
+
+
+@pytest.mark.slow
+def test_zero3_skips_non_finite_updates_and_stops_after_max_bad_steps(prepared, tmp_path):
+    """ZeRO-3's overflow check skips a NaN step's update like ZeRO 1/2 (StepHealth then stops
+    the run after train.max_bad_steps, keeping the last good checkpoint)."""
+    repo = tmp_path / "nan"
+    overlay = {"train": {"zero_stage": 3, "max_bad_steps": 2}}
+    proc = trained_copy(
+        prepared, repo, overlay, env={"DSFLOW_FAULT_NAN_FROM_STEP": "8"}, check=False
+    )
+    assert proc.returncode == 2
+    assert "for 2 consecutive step(s) (steps 8-9" in proc.stderr
+    assert "their updates were skipped" in proc.stderr
+    assert ckpt.tags(repo / "checkpoints") == ["step00000005"]
