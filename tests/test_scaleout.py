@@ -153,6 +153,45 @@ def test_fingerprint_ignores_how_the_global_batch_is_split():
     assert ckpt.fingerprint(a, 12, "d") != ckpt.fingerprint(params(zero_stage=3), 12, "d")
 
 
+@pytest.mark.parametrize(
+    "world, micro, says",
+    [
+        (2, 2, "set train.global_batch: 12 and grad_accum: null (micro_batch 2 x grad_accum 3"),
+        (2, 4, "a micro_batch that divides 6"),
+        (5, 2, "resume on a number of ranks that divides 12"),
+    ],
+)
+def test_another_world_size_with_another_global_batch_says_how_to_keep_it(
+    tmp_path, world, micro, says
+):
+    from dsflow import train
+
+    old = params(gpus=3, micro_batch=2, grad_accum=2)
+    (tmp_path / "run.json").write_text(
+        json.dumps(
+            {
+                "world": 3,
+                "batch": {"micro": 2, "accum": 2, "global": 12},
+                "fingerprint": ckpt.fingerprint(old, 12, "d"),
+            }
+        )
+    )
+    new = params(gpus=world, micro_batch=micro, grad_accum=1)
+    plan = {
+        "world": world,
+        "params": new,
+        "data_sha": "d",
+        "batch": {"micro": micro, "accum": 1, "global": micro * world},
+    }
+    with pytest.raises(UsageError) as exc:
+        train.check_elastic_batch(tmp_path, plan)
+    msg = str(exc.value)
+    assert "\n" not in msg and "global batch 12 (2 x 2 x 3 ranks)" in msg and says in msg
+    # Another change of the math (lr) is another run: no message (the stage starts fresh).
+    plan["params"] = P.deep_merge(new, {"train": {"optimizer": {"lr": 0.1}}})
+    train.check_elastic_batch(tmp_path, plan)
+
+
 def test_lockstep_validation_runs_as_many_forwards_on_every_rank():
     """ZeRO-3 hangs when one rank runs a forward the others do not: with 7 windows over 3 ranks
     (3, 2, 2) and micro 2, every rank runs 2 forwards, and the padding counts no loss."""

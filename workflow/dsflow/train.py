@@ -238,13 +238,24 @@ def check_elastic_batch(root: Path, plan: dict) -> None:
     same = ckpt.fingerprint(plan["params"], old_batch["global"], plan.get("data_sha", ""))
     if same != previous.get("fingerprint"):
         return
+    old, world, micro = old_batch["global"], plan["world"], new_batch["micro"]
+    if old % world:
+        fix = f"resume on a number of ranks that divides {old}"
+    elif old % (micro * world) == 0:
+        fix = (
+            f"set train.global_batch: {old} and grad_accum: null (micro_batch {micro} x "
+            f"grad_accum {old // (micro * world)} x {world} ranks) to resume"
+        )
+    else:
+        fix = (
+            f"set train.global_batch: {old}, grad_accum: null and a micro_batch that divides "
+            f"{old // world}"
+        )
     raise UsageError(
-        f"train: checkpoints/ holds this run at global batch {old_batch['global']} "
-        f"({old_batch['micro']} x {old_batch['accum']} x {old_world} ranks); on {plan['world']} "
-        f"rank(s) micro_batch {new_batch['micro']} x grad_accum {new_batch['accum']} gives "
-        f"{new_batch['global']}: set train.global_batch: {old_batch['global']} with a micro_batch "
-        f"that divides it by {plan['world']} (grad_accum: null) to resume, or remove checkpoints/ "
-        "to start over"
+        f"train: checkpoints/ holds this run at global batch {old} ({old_batch['micro']} x "
+        f"{old_batch['accum']} x {old_world} ranks) but micro_batch {micro} x grad_accum "
+        f"{new_batch['accum']} x {world} rank(s) = {new_batch['global']}; {fix}, or remove "
+        "checkpoints/ to start over"
     )
 
 
