@@ -304,6 +304,11 @@ def test_zero3_with_cpu_optimizer_offload_gives_the_same_curve(prepared, zero2, 
     ds = json.loads((repo / "checkpoints/ds_config.json").read_text())
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["optimizer"]["params"]["torch_adam"] is True  # DeepSpeedCPUAdam needs a build
+    metrics = json.loads((repo / "metrics/train.json").read_text())
+    assert (metrics["offload_optimizer"], metrics["offload_param"]) == ("cpu", "none")
+    from dsflow.report import zero_layout
+
+    assert zero_layout(metrics) == "3 + optimizer offload (cpu)"
     assert_same_curve(losses(zero2), losses(repo))
 
 

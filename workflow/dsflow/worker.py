@@ -660,9 +660,12 @@ def main() -> int:
         if logger:
             logger.close()
         export(engine.module, weights)
+        zero = ds_config["zero_optimization"]
         hardware = {
             "device_name": device_name,
-            "zero_stage": ds_config["zero_optimization"]["stage"],
+            "zero_stage": zero["stage"],
+            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none"),
+            "offload_param": zero.get("offload_param", {}).get("device", "none"),
             "precision": train["precision"],
         }
         if device_type == "cuda":
