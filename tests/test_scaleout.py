@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_train import EVAL_EXPORTED, losses, trained_copy
 
-from conftest import ROOT
+from conftest import ROOT, dsflow
 from dsflow import checkpoint as ckpt
 from dsflow import dsconfig
 from dsflow import params as P
@@ -259,10 +259,9 @@ def trace(path: Path) -> dict[int, Counter]:
     return out
 
 
-def exported_val_loss(repo: Path) -> float:
-    out = subprocess.run(
-        [sys.executable, "-c", EVAL_EXPORTED], cwd=repo, capture_output=True, text=True
-    )
+def exported_val_loss(repo: Path, model: str = "models/final") -> float:
+    code = EVAL_EXPORTED.replace('"models/final"', repr(model))
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -273,10 +272,16 @@ def assert_same_curve(a: dict, b: dict, rel: float = RTOL) -> None:
         assert b[step] == pytest.approx(a[step], rel=rel, abs=0), step
 
 
-@pytest.mark.slow
-def test_zero3_gives_zero2s_loss_curve_and_exports_a_loadable_model(prepared, zero2, tmp_path):
-    repo = tmp_path / "zero3"
+@pytest.fixture(scope="module")
+def zero3(prepared, zero2, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("zero3") / "repo"
     trained_copy(prepared, repo, {**BATCH, "train": {**BATCH["train"], "zero_stage": 3}})
+    return repo
+
+
+@pytest.mark.slow
+def test_zero3_gives_zero2s_loss_curve_and_exports_a_loadable_model(zero2, zero3):
+    repo = zero3
     ds = json.loads((repo / "checkpoints/ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 3
     assert_same_curve(losses(zero2), losses(repo))
@@ -294,6 +299,27 @@ def test_zero3_gives_zero2s_loss_curve_and_exports_a_loadable_model(prepared, ze
     # as the ZeRO-2 run's export.
     assert (repo / "models/final/model.safetensors").exists()
     assert exported_val_loss(repo) == pytest.approx(exported_val_loss(zero2), rel=RTOL)
+
+
+@pytest.mark.slow
+def test_export_consolidates_a_zero3_checkpoint_in_fp32_or_bf16(zero3):
+    """`dsflow export`: the fp32 master weights of a ZeRO-3 checkpoint, gathered from every
+    rank's partition, as an HF model (fp32 training: the weights of models/final); and bf16."""
+    repo = zero3
+    final = exported_val_loss(repo)
+    dsflow("export", "--tag", "step00000012", "--out", "models/fp32", cwd=repo)
+    assert exported_val_loss(repo, "models/fp32") == pytest.approx(final, rel=RTOL)
+    dsflow("export", "--dtype", "bf16", "--out", "models/bf16", cwd=repo)
+    assert exported_val_loss(repo, "models/bf16") == pytest.approx(final, rel=1e-2)
+    from safetensors import safe_open
+
+    with safe_open(repo / "models/bf16/model.safetensors", "pt") as f:
+        dtypes = {k: str(f.get_tensor(k).dtype) for k in f.keys()}
+    bias = {d for k, d in dtypes.items() if "e_score_correction_bias" in k}
+    assert bias == {"torch.float32"}  # the routing bias stays fp32 (balance.py)
+    assert {d for k, d in dtypes.items() if "e_score_correction_bias" not in k} == {
+        "torch.bfloat16"
+    }
 
 
 @pytest.mark.slow
