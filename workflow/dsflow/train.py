@@ -207,7 +207,8 @@ def prepare_run_dir(plan: dict) -> None:
         if ckpt.latest_tag(root) != resume:
             ckpt.set_latest(root, resume)
         saved = ckpt.saved_world(root, resume)
-        if saved is not None and saved != plan["world"]:
+        # ZeRO-0 saves the whole optimizer state in one file, which any world size loads.
+        if saved is not None and saved != plan["world"] and zero_partitioned(plan):
             log.info(
                 "%s was saved by %d rank(s), this run has %d: converting it to a universal "
                 "checkpoint (deepspeed.checkpoint.ds_to_universal) to resume from",
