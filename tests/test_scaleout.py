@@ -160,6 +160,7 @@ def test_fingerprint_ignores_how_the_global_batch_is_split():
         (2, 4, "a micro_batch that divides 6"),
         (5, 2, "resume on a number of ranks that divides 12"),
     ],
+    ids=["grad-accum", "micro-batch", "world"],
 )
 def test_another_world_size_with_another_global_batch_says_how_to_keep_it(
     tmp_path, world, micro, says
