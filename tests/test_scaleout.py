@@ -193,6 +193,33 @@ def test_another_world_size_with_another_global_batch_says_how_to_keep_it(
     train.check_elastic_batch(tmp_path, plan)
 
 
+def test_another_zero_layout_is_refused_rather_than_started_over(tmp_path):
+    """Universal checkpoints do not load across ZeRO stages: a layout change (e.g. zero_stage
+    auto on other GPUs) names the settings the checkpoints need instead of deleting them."""
+    from dsflow import train
+
+    old = params(zero_stage=2, offload={"optimizer": "cpu"})
+    (tmp_path / "run.json").write_text(
+        json.dumps(
+            {
+                "params": old,
+                "batch": {"micro": 8, "accum": 1, "global": 24},
+                "fingerprint": ckpt.fingerprint(old, 24, "d"),
+            }
+        )
+    )
+    new = params(zero_stage=3)
+    plan = {"params": new, "data_sha": "d", "batch": {"global": 24}}
+    with pytest.raises(UsageError) as exc:
+        train.check_layout(tmp_path, plan)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    assert "saved with ZeRO-2 + optimizer offload (cpu), this launch uses ZeRO-3" in msg
+    assert "set train.zero_stage: 2, train.offload.optimizer: cpu to resume" in msg
+    plan["params"] = P.deep_merge(new, {"train": {"optimizer": {"lr": 0.1}}})
+    train.check_layout(tmp_path, plan)  # another run: no message
+
+
 def test_lockstep_validation_runs_as_many_forwards_on_every_rank():
     """ZeRO-3 hangs when one rank runs a forward the others do not: with 7 windows over 3 ranks
     (3, 2, 2) and micro 2, every rank runs 2 forwards, and the padding counts no loss."""

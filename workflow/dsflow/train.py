@@ -201,6 +201,7 @@ def prepare_run_dir(plan: dict) -> None:
     resume = ckpt.resume_tag(root, plan["world"], zero_partitioned(plan), note=log.info)
     if resume and _previous_fingerprint(root) != plan["fingerprint"]:
         check_elastic_batch(root, plan)
+        check_layout(root, plan)
         log.info("checkpoints/ holds a different run (params changed): starting fresh")
         resume = None
     if resume:
@@ -257,6 +258,37 @@ def check_elastic_batch(root: Path, plan: dict) -> None:
         f"{old_batch['accum']} x {old_world} ranks) but micro_batch {micro} x grad_accum "
         f"{new_batch['accum']} x {world} rank(s) = {new_batch['global']}; {fix}, or remove "
         "checkpoints/ to start over"
+    )
+
+
+def check_layout(root: Path, plan: dict) -> None:
+    """Resuming across ZeRO stages or offload settings is not supported (DeepSpeed's universal
+    checkpoints do not load across stages): when the memory layout is the only difference from
+    the run in checkpoints/, say so instead of starting over (e.g. after zero_stage: auto
+    picked another layout on other GPUs)."""
+    try:
+        previous = json.loads((root / "run.json").read_text())
+        old_train = previous["params"]["train"]
+        old = {"zero_stage": old_train["zero_stage"], "offload": old_train["offload"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    params = copy.deepcopy(plan["params"])
+    new = {"zero_stage": params["train"]["zero_stage"], "offload": params["train"]["offload"]}
+    if old == new:
+        return
+    params["train"].update(copy.deepcopy(old))
+    batch = previous.get("batch", {}).get("global", plan["batch"]["global"])
+    if ckpt.fingerprint(params, batch, plan.get("data_sha", "")) != previous.get("fingerprint"):
+        return
+    then, now = dsconfig.layout(params["train"]), dsconfig.layout(plan["params"]["train"])
+    fix = [f"train.zero_stage: {old['zero_stage']}"]
+    for key in ("optimizer", "param"):
+        if old["offload"][key] != new["offload"][key]:
+            fix.append(f"train.offload.{key}: {old['offload'][key]}")
+    raise UsageError(
+        f"train: checkpoints/ holds this run saved with {then}, this launch uses {now}; a run "
+        f"cannot resume across ZeRO stages or offload settings: set {', '.join(fix)} to "
+        "resume, or remove checkpoints/ to start over"
     )
 
 
