@@ -399,8 +399,9 @@ def main() -> int:
     zero3 = ds_config["zero_optimization"].get("stage", 0) == 3
     if zero3 and balancer.routers:
         # ZeRO-3 gathers a module's parameters when its forward starts, following the order
-        # it traced; routed experts run in a data-dependent order (or not at all), and the
-        # ranks then wait on each other's gathers forever. Leaf: the whole MoE block at once.
+        # it traced; routed experts run in a data-dependent order (or not at all), so the
+        # ranks fetch different parameters (DeepSpeed: "Detected a disagreement on list length
+        # between rank0 and rank1", or a hang). Leaf: the whole MoE block is gathered at once.
         from deepspeed.utils import set_z3_leaf_modules
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
