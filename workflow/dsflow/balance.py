@@ -255,6 +255,18 @@ class ExpertBalancer:
         for _, router in self.routers:
             dist.broadcast(router.e_score_correction_bias, src=src, group=group)
 
+    def bias_state(self) -> list[torch.Tensor]:
+        """Every router's bias (CPU copies, layer order), e.g. for a checkpoint's client state."""
+        return [r.e_score_correction_bias.detach().cpu().clone() for _, r in self.routers]
+
+    def load_bias_state(self, biases: list[torch.Tensor]) -> None:
+        """Restore what :meth:`bias_state` returned (the same model shape)."""
+        if len(biases) != len(self.routers):
+            raise ValueError(f"{len(biases)} router biases for {len(self.routers)} routers")
+        with torch.no_grad():
+            for (_, router), bias in zip(self.routers, biases, strict=True):
+                router.e_score_correction_bias.copy_(bias)
+
     # ------------------------------------------------------------------ eval statistics
     @contextmanager
     def collecting(self) -> Iterator[ExpertBalancer]:

@@ -1,8 +1,11 @@
 """Checkpoints in checkpoints/: DeepSpeed's own format, one tag per saved step, `latest` marker.
 
 A checkpoint is only resumed when the run it came from trained the same thing: `fingerprint`
-hashes every param that changes the math (model, data, batch, optimizer, schedule shape), but not
-the budget, so raising max_steps continues a run while changing lr starts a new one.
+hashes every param that changes the math (model, data, global batch, optimizer, schedule shape),
+but not the budget, so raising max_steps continues a run while changing lr starts a new one. The
+number of ranks is not part of it either: a run resumes on another world size with the same
+global batch (elastic resume): `to_universal` converts the checkpoint to DeepSpeed's universal
+format, which every world size can load.
 
 Saving is atomic (see docs/reliability.md). DeepSpeed's `save_checkpoint(dir, tag)` writes the tag
 directory rank by rank and then `latest`, with no barrier in between: a kill at the wrong moment
@@ -37,6 +40,9 @@ TAG_PREFIX = "step"
 TEMP_PREFIX = ".tmp-"
 MANIFEST = "dsflow_checkpoint.json"
 MODEL_FILE = "mp_rank_00_model_states.pt"
+# ZeRO-3 saves one model-states file per rank instead of MODEL_FILE.
+ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+UNIVERSAL = "universal"  # a tag's universal-format copy, for resuming on another world size
 LOCK_FILE = ".lock"
 STOP_FILE = ".stop"
 ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -56,22 +62,29 @@ RESUMABLE_KEYS = {
     "force",
     "max_bad_steps",
     "perf",  # fast paths change speed, not the math
-    # where the ranks run, not what they compute (the world size is fingerprinted on its own)
+    # where the ranks run, not what they compute
     "node_rank",
     "master_addr",
     "rdzv_id",
     "hostfile",
+    # How the global batch is split over ranks does not change the math (the fingerprint
+    # holds the global batch itself): these may change for an elastic resume.
+    "gpus",
+    "device",
+    "micro_batch",
+    "grad_accum",
+    "global_batch",
 }
 
 
-def fingerprint(params: dict, world: int, data_sha: str) -> str:
+def fingerprint(params: dict, global_batch: int, data_sha: str) -> str:
     train = {k: v for k, v in params["train"].items() if k not in RESUMABLE_KEYS}
     blob = json.dumps(
         {
             "seed": params["seed"],
             "model": params["model"],
             "train": train,
-            "world": world,
+            "global_batch": global_batch,
             "data": data_sha,
         },
         sort_keys=True,
@@ -108,8 +121,13 @@ def latest_tag(root: Path = CHECKPOINTS) -> str | None:
 
 
 def _structure_problem(names: set[str], world: int | None, zero: bool | None) -> str | None:
-    if MODEL_FILE not in names:
+    model_ranks = {int(m.group(1)) for n in names if (m := ZERO3_MODEL_FILE.match(n))}
+    if MODEL_FILE not in names and not model_ranks:
         return f"{MODEL_FILE} missing"
+    if model_ranks and world is not None:
+        missing = sorted(set(range(world)) - model_ranks)
+        if missing:
+            return f"model states of rank(s) {', '.join(map(str, missing))} missing"
     ranks = {int(m.group(1)) for n in names if (m := ZERO_FILE.match(n))}
     if world is not None and (ranks or zero):
         missing = sorted(set(range(world)) - ranks)
@@ -119,14 +137,20 @@ def _structure_problem(names: set[str], world: int | None, zero: bool | None) ->
 
 
 def validate_tag(
-    root: Path, tag: str, world: int | None = None, zero: bool | None = None
+    root: Path,
+    tag: str,
+    world: int | None = None,
+    zero: bool | None = None,
+    elastic: bool = False,
 ) -> str | None:
     """None when `root/tag` is a complete checkpoint, else what is wrong with it.
 
     Complete: its manifest lists files that all exist with their recorded sizes, and the layout
-    is DeepSpeed's (mp_rank_00_model_states.pt, plus one zero_pp_rank_R_..._optim_states.pt per
-    rank R when the optimizer is partitioned, `zero`). A tag without a manifest (saved by an
-    older dsflow, or by DeepSpeed directly) is judged by the layout alone.
+    is DeepSpeed's (mp_rank_00_model_states.pt, or ZeRO-3's zero_pp_rank_R_..._model_states.pt
+    per rank R, plus one zero_pp_rank_R_..._optim_states.pt per rank R when the optimizer is
+    partitioned, `zero`). A tag without a manifest (saved by an older dsflow, or by DeepSpeed
+    directly) is judged by the layout alone. `elastic`: a tag saved by another number of ranks
+    than `world` is fine (judged against its own), as long as its manifest says how many.
     """
     path = root / tag
     if not path.is_dir():
@@ -145,6 +169,8 @@ def validate_tag(
                 return f"{name} missing"
             if actual != size:
                 return f"{name} is {actual} bytes, the manifest says {size} (truncated)"
+        if elastic and isinstance(info.get("world"), int):
+            world = info["world"]
         if world is not None and info.get("world", world) != world:
             return f"saved by {info.get('world')} rank(s), this run has {world}"
         return _structure_problem(set(files), world, info.get("zero", zero))
@@ -173,7 +199,7 @@ def resume_tag(
     problems = {}
     complete = []
     for tag in tags(root):
-        problem = validate_tag(root, tag, world, zero)
+        problem = validate_tag(root, tag, world, zero, elastic=True)
         if problem:
             problems[tag] = problem
         else:
@@ -198,6 +224,60 @@ def resume_tag(
     else:
         note(f"checkpoints/latest names {why}, and no other checkpoint is complete: starting fresh")
     return best
+
+
+def saved_world(root: Path, tag: str) -> int | None:
+    """The number of ranks that saved `tag` (from its manifest; None when unknown)."""
+    try:
+        world = json.loads((root / tag / MANIFEST).read_text()).get("world")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return world if isinstance(world, int) else None
+
+
+def to_universal(root: Path, tag: str) -> str:
+    """Convert `tag` to DeepSpeed's universal checkpoint format (every parameter's fp32 weights
+    and Adam moments, whole, one folder each) in `tag/universal`, loadable on any world size
+    with `checkpoint.load_universal`. Returns the tag to load ("stepNNNNNNNN/universal").
+    Atomic (written to a temporary folder, renamed); done once per tag."""
+    out = root / tag / UNIVERSAL
+    if not (out / "zero").is_dir():
+        tmp = root / tag / f"{TEMP_PREFIX}{UNIVERSAL}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+        import subprocess
+        import sys
+
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(root / tag),
+                "--output_folder",
+                str(tmp),
+                "--num_extract_workers",
+                "1",
+                "--num_merge_workers",
+                "1",
+                "--inject_missing_state",  # tags saved before dsflow marked them (worker.py)
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")},
+        )
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UsageError(
+                f"cannot convert checkpoint {tag} to a universal checkpoint for a resume on "
+                f"another number of ranks (deepspeed.checkpoint.ds_to_universal: {last}); "
+                "resume with the number of ranks that saved it"
+            )
+        os.rename(tmp, out)
+        fsync_dir(root / tag)
+    return f"{tag}/{UNIVERSAL}"
 
 
 def set_latest(root: Path, tag: str) -> None:

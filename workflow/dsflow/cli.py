@@ -23,6 +23,7 @@ STAGES = {
     "train": "dsflow.train",
     "evaluate": "dsflow.evaluate",
     "report": "dsflow.report",
+    "export": "dsflow.export",  # not a DAG stage: a checkpoint -> HF model, on demand
 }
 
 
@@ -50,10 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name in STAGES:
         stage = sub.add_parser(name, help=f"run the {name} stage")
-        if name == "plan":
-            from dsflow.plan import add_arguments
-
-            add_arguments(stage)
+        if name in ("plan", "export"):
+            importlib.import_module(STAGES[name]).add_arguments(stage)
     sub.add_parser("validate", help="validate the params and print the effective values")
     prof = sub.add_parser("profile", help="print a profile as `dvc exp run -S` arguments")
     prof.add_argument("file", help="profile overlay, e.g. profiles/rtx4090x3.yaml")
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             setup_logging(args.stage)
         start = time.perf_counter()
         module = importlib.import_module(STAGES[args.stage])
-        if args.stage in ("plan", "doctor"):
+        if args.stage in ("plan", "doctor", "export"):
             module.run(params, args)
         else:
             module.run(params)

@@ -204,6 +204,7 @@ class BatchLoader:
                 raise batch
         else:
             batch = self._read(step, micro_step)
+        self.last_windows = batch.numpy()  # host copy, for the data trace of the tests
         batch = batch.to(self.device, non_blocking=self.pin)
         return batch[:, :-1], batch[:, 1:]
 

@@ -96,7 +96,7 @@ def scheduler(train: dict, steps: int) -> dict:
 
 def build(train: dict, batch: Batch, steps: int, device_type: str) -> dict:
     """The DeepSpeed config for these params (before the user's file is merged)."""
-    opt, zero = train["optimizer"], train["zero"]
+    opt = train["optimizer"]
     cfg = {
         "train_batch_size": batch.global_batch,
         "train_micro_batch_size_per_gpu": batch.micro,
@@ -117,15 +117,7 @@ def build(train: dict, batch: Batch, steps: int, device_type: str) -> dict:
             },
         },
         "scheduler": scheduler(train, steps),
-        "zero_optimization": {
-            "stage": train["zero_stage"],
-            "allgather_partitions": zero["allgather_partitions"],
-            "allgather_bucket_size": zero["allgather_bucket_size"],
-            "reduce_scatter": zero["reduce_scatter"],
-            "reduce_bucket_size": zero["reduce_bucket_size"],
-            "overlap_comm": zero["overlap_comm"] and device_type == "cuda",
-            "contiguous_gradients": zero["contiguous_gradients"],
-        },
+        "zero_optimization": zero_optimization(train, device_type),
     }
     if train["precision"] == "fp16":
         fp16 = train["fp16"]
@@ -140,6 +132,81 @@ def build(train: dict, batch: Batch, steps: int, device_type: str) -> dict:
     elif train["precision"] == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
+
+
+def check_offload(train: dict, device_type: str) -> None:
+    """What DeepSpeed 0.19 accepts, checked before launch (DeepSpeed fails late and obscurely)."""
+    stage, off = train["zero_stage"], train["offload"]
+    if off["optimizer"] != "none" and stage == 0:
+        raise UsageError(
+            f"train.offload.optimizer: {off['optimizer']} needs train.zero_stage 1, 2 or 3 "
+            "(ZeRO-0 has no optimizer offload)"
+        )
+    if off["param"] != "none" and stage != 3:
+        raise UsageError(
+            f"train.offload.param: {off['param']} needs train.zero_stage: 3 (got {stage}); "
+            "only ZeRO-3 partitions the parameters"
+        )
+    nvme = [k for k in ("optimizer", "param") if off[k] == "nvme"]
+    if nvme and not off["nvme_path"]:
+        raise UsageError(
+            f"train.offload.nvme_path: needed when train.offload.{nvme[0]} is nvme (a directory "
+            "on a local NVMe disk)"
+        )
+    if off["optimizer"] == "nvme" and stage != 3:
+        raise UsageError(
+            f"train.offload.optimizer: nvme needs train.zero_stage: 3 (got {stage}); ZeRO 1-2 "
+            "offload the optimizer to cpu only"
+        )
+    if nvme and device_type != "cuda":
+        raise UsageError(
+            f"train.offload.{nvme[0]}: nvme needs CUDA (DeepSpeed's async I/O op is not built "
+            "for the CPU accelerator); use cpu, or none on a CPU run"
+        )
+
+
+def zero_optimization(train: dict, device_type: str) -> dict:
+    """The zero_optimization section: stage, buckets, ZeRO-3 knobs and offload."""
+    check_offload(train, device_type)
+    stage, zero, off = train["zero_stage"], train["zero"], train["offload"]
+    cfg = {
+        "stage": stage,
+        "allgather_partitions": zero["allgather_partitions"],
+        "allgather_bucket_size": zero["allgather_bucket_size"],
+        "reduce_scatter": zero["reduce_scatter"],
+        "reduce_bucket_size": zero["reduce_bucket_size"],
+        "overlap_comm": zero["overlap_comm"] and device_type == "cuda",
+        "contiguous_gradients": zero["contiguous_gradients"],
+    }
+    if stage == 3:
+        for key in (
+            "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "stage3_max_live_parameters",
+            "stage3_max_reuse_distance",
+            "stage3_gather_16bit_weights_on_model_save",
+        ):
+            cfg[key] = zero[key]
+    # Page-locked buffers are a CUDA thing; the CPU accelerator has none.
+    pin = bool(off["pin_memory"]) and device_type == "cuda"
+    for what, key in (("optimizer", "offload_optimizer"), ("param", "offload_param")):
+        if off[what] != "none":
+            section = {"device": off[what], "pin_memory": pin}
+            if off[what] == "nvme":
+                section["nvme_path"] = off["nvme_path"]
+            cfg[key] = section
+    return cfg
+
+
+def layout(train: dict) -> str:
+    """ "ZeRO-3 + optimizer offload (cpu)": the memory layout in words, for logs."""
+    off = train["offload"]
+    parts = [f"ZeRO-{train['zero_stage']}"]
+    if off["optimizer"] != "none":
+        parts.append(f"optimizer offload ({off['optimizer']})")
+    if off["param"] != "none":
+        parts.append(f"param offload ({off['param']})")
+    return " + ".join(parts)
 
 
 # Keys whose values dsflow derives from params.yaml: a user file may not silently change them.

@@ -10,6 +10,8 @@ Training goes through `TrainingLM`, whose forward is the loss, optionally fused 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -99,7 +101,12 @@ class TrainingLM(torch.nn.Module):
         self.ce_chunk = int(ce_chunk)
         object.__setattr__(self, "hf", hf)  # not a submodule: no second name for each weight
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, **kwargs):
+        """The mean token NLL with `targets`; without, the HF model's output (validation goes
+        through here too, so DeepSpeed's ZeRO-3 hooks on this module gather the weights)."""
+        if targets is None:
+            return self.hf(input_ids=input_ids, **kwargs)
+        inputs = input_ids
         if not self.ce_chunk:
             return mean_loss(self.hf, inputs, targets)
         hidden = self.model(input_ids=inputs, use_cache=False).last_hidden_state
@@ -118,21 +125,34 @@ def evaluate_loss(
     rank: int = 0,
     world: int = 1,
     max_windows: int | None = None,
+    lockstep: bool = False,
 ) -> tuple[float, int]:
     """Summed NLL and token count over the reader's first `max_windows` windows, this rank's
-    share (round-robin); callers all-reduce the pair across ranks."""
+    share (round-robin); callers all-reduce the pair across ranks.
+
+    `lockstep`: every rank runs the same number of forwards (what ZeRO-3 needs: each forward
+    gathers parameters from all ranks); a rank whose share is shorter runs forwards on a
+    padding batch whose loss is not counted."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total, count, forwards = 0.0, 0, 0
     batch: list[np.ndarray] = []
     windows = reader.sequential(rank, world, max_windows)
     for window in windows:
         batch.append(window)
         if len(batch) == micro:
             total, count = _accumulate(model, batch, device, total, count)
+            forwards += 1
             batch = []
     if batch:
         total, count = _accumulate(model, batch, device, total, count)
+        forwards += 1
+    if lockstep:
+        n = reader.num_windows if max_windows is None else min(max_windows, reader.num_windows)
+        most = math.ceil(math.ceil(n / world) / micro)  # rank 0's share is the largest
+        pad = [reader.tokens(0, reader.seq_len + 1)]
+        for _ in range(most - forwards):
+            _accumulate(model, pad, device, 0.0, 0)
     model.train(was_training)
     return total, count
 

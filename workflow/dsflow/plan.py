@@ -53,6 +53,7 @@ Sizes print in GB = 10^9 bytes. ``--gpu-mem 24`` means 24e9 bytes: a "24 GB" RTX
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -1078,10 +1079,21 @@ def resolve(
     else:
         accum = train["grad_accum"] or 1
     zero = _arg(args, "zero")
+    if zero is None and train["zero_stage"] == "auto":
+        notes.append(
+            "train.zero_stage: auto: planned as ZeRO-2; the train stage picks the cheapest "
+            "layout that fits (see cheapest fit)"
+        )
+        zero = 2
     zero = int(train["zero_stage"] if zero is None else zero)
     precision = _arg(args, "precision") or train["precision"]
-    offload_opt = bool(_arg(args, "offload_optimizer"))
-    offload_par = bool(_arg(args, "offload_params"))
+    offload = train.get("offload") or {}
+    offload_opt = bool(_arg(args, "offload_optimizer")) or (
+        _arg(args, "zero") is None and offload.get("optimizer", "none") != "none"
+    )
+    offload_par = bool(_arg(args, "offload_params")) or (
+        _arg(args, "zero") is None and offload.get("param", "none") != "none"
+    )
     if offload_par and zero != 3:
         raise UsageError("--offload-params needs ZeRO-3 (--zero 3)")
     if offload_opt and zero == 0:
@@ -1283,6 +1295,59 @@ def run(params: dict, args: Any = None) -> None:
         f.write("\n")
 
 
+def auto_layout(
+    params: dict,
+    world: int,
+    device_type: str,
+    gpu_mem_bytes: int | None = None,
+    host_mem_bytes: int | None = None,
+) -> tuple[int, bool, bool, str]:
+    """`train.zero_stage: auto`: (stage, offload optimizer, offload params, why) of the first
+    memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
+    offload, + parameter offload, at the configured micro batch (offload asked for in
+    train.offload is kept). On CPU there is nothing to fit: ZeRO-2. When nothing fits, a
+    UsageError names the cheapest strategy that would (smaller micro batch, checkpointing, a
+    smaller preset). Host RAM: `host_mem_bytes`, else this machine's."""
+    offload = params["train"].get("offload") or {}
+    want_opt = offload.get("optimizer", "none") != "none"
+    want_par = offload.get("param", "none") != "none"
+    if device_type != "cuda":
+        stage = 3 if want_par else 2
+        return stage, want_opt, want_par, "a CPU run: no GPU memory to fit, the fewest collectives"
+    pinned = copy.deepcopy(params)
+    pinned["train"]["zero_stage"] = 2
+    req = resolve(pinned, None, world=world, gpu_mem_bytes=gpu_mem_bytes)
+    if req.gpu_mem_bytes is None:
+        return 2, want_opt, want_par, "GPU memory unknown: ZeRO-2"
+    host = host_mem_bytes if host_mem_bytes is not None else host_memory_bytes()
+    layouts = [(2, False, False), (3, False, False), (3, True, False), (3, True, True)]
+    reason = ""
+    for z, o, p in layouts:
+        if (want_opt and not o) or (want_par and not p):
+            continue
+        kwargs = {**req.estimate_kwargs(), "zero_stage": z}
+        kwargs.update(offload_optimizer=o, offload_params=p)
+        est = estimate(req.config, seq_aux=req.seq_aux, **kwargs)
+        fits, reason = verdict(est, req.gpu_mem_bytes, host)
+        if fits:
+            gb = f"{_gb(est['gpu']['total']):.1f} of {_gb(req.gpu_mem_bytes):.1f} GB per GPU"
+            return z, o, p, f"the planner's cheapest fit: {gb}"
+    rows = cheapest_fit(
+        req.config,
+        gpu_mem_bytes=req.gpu_mem_bytes,
+        host_mem_bytes=host,
+        **{**req.estimate_kwargs(), "offload_optimizer": want_opt, "offload_params": want_par},
+    )
+    rec = recommendation(rows)
+    hint = f"cheapest fit: {rec['strategy']}" if rec else "nothing fits, not even smaller presets"
+    msg = (
+        f"train.zero_stage: auto: no ZeRO layout fits {req.preset} at micro batch "
+        f"{req.micro_batch} on {world} GPU(s) (ZeRO-3 with CPU offload {reason}); {hint}; "
+        "see python -m dsflow plan"
+    )
+    raise UsageError(" ".join(msg.split()))
+
+
 def check_fits(params: dict, world: int, device_type: str, gpu_mem_bytes: int | None) -> None:
     """Raise UsageError (one line: needed vs available per GPU, and the cheapest strategy that
     would fit) when the run does not fit the GPUs. Nothing to check on CPU."""
@@ -1316,6 +1381,7 @@ __all__ = [
     "GPU_MEMORY_BYTES",
     "activation_bytes",
     "add_arguments",
+    "auto_layout",
     "check_fits",
     "cheapest_fit",
     "estimate",

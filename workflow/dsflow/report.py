@@ -80,10 +80,23 @@ def provenance(params: dict, train: dict) -> dict:
             "GPU memory (GB)": round(train["gpu_memory_gb"], 1)
             if "gpu_memory_gb" in train
             else "-",
-            "ZeRO stage": train.get("zero_stage"),
+            "ZeRO stage": zero_layout(train),
             "precision": train.get("precision"),
         },
     }
+
+
+def zero_layout(metrics: dict) -> str | None:
+    """ "3 + optimizer offload (cpu)" from metrics/train.json."""
+    stage = metrics.get("zero_stage")
+    if stage is None:
+        return None
+    parts = [str(stage)]
+    for what in ("optimizer", "param"):
+        device = metrics.get(f"offload_{what}", "none")
+        if device != "none":
+            parts.append(f"{what} offload ({device})")
+    return " + ".join(parts)
 
 
 def previous_run() -> tuple[str, dict, dict] | None:

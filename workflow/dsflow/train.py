@@ -18,7 +18,9 @@ rendezvous, and a node whose plan differs from node 0's is refused by the ranks)
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -110,9 +112,10 @@ def plan_run(params: dict) -> dict:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
     # Every shard's sha256 is checked here, once, so a corrupted shard is one line naming the
     # file, not a traceback from every rank (the ranks then skip the check).
-    data_sha = ":".join(
+    shards = ":".join(
         s["sha256"] for split in ("train", "val") for s in load_index(SHARDS / split)["shards"]
     )
+    data_sha = hashlib.sha256(shards.encode()).hexdigest()
     return {
         "params": params,
         "device": device,
@@ -122,7 +125,8 @@ def plan_run(params: dict) -> dict:
         "batch": {"micro": batch.micro, "accum": batch.accum, "global": batch.global_batch},
         "steps": steps,
         "vocab_size": vocab,
-        "fingerprint": ckpt.fingerprint(params, world, data_sha),
+        "fingerprint": ckpt.fingerprint(params, batch.global_batch, data_sha),
+        "data_sha": data_sha,
         "data_verified": True,
         "ds_config": ds_config,
     }
@@ -176,16 +180,115 @@ def prepare_run_dir(plan: dict) -> None:
     (root / ckpt.STOP_FILE).unlink(missing_ok=True)
     resume = ckpt.resume_tag(root, plan["world"], zero_partitioned(plan), note=log.info)
     if resume and _previous_fingerprint(root) != plan["fingerprint"]:
+        check_elastic_batch(root, plan)
+        check_layout(root, plan)
         log.info("checkpoints/ holds a different run (params changed): starting fresh")
         resume = None
     if resume:
         if ckpt.latest_tag(root) != resume:
             ckpt.set_latest(root, resume)
+        saved = ckpt.saved_world(root, resume)
+        # ZeRO-0 saves the whole optimizer state in one file, which any world size loads.
+        if saved is not None and saved != plan["world"] and zero_partitioned(plan):
+            log.info(
+                "%s was saved by %d rank(s), this run has %d: converting it to a universal "
+                "checkpoint (deepspeed.checkpoint.ds_to_universal) to resume from",
+                resume,
+                saved,
+                plan["world"],
+            )
+            resume = ckpt.to_universal(root, resume)
+            plan["ds_config"] = {**plan["ds_config"], "checkpoint": {"load_universal": True}}
     else:
         ckpt.clear(root)
     plan["resume"] = resume
     write_json(root / "ds_config.json", plan["ds_config"])
     write_json(root / "run.json", {k: v for k, v in plan.items() if k != "ds_config"})
+
+
+def check_elastic_batch(root: Path, plan: dict) -> None:
+    """A run resumed on another number of ranks must keep its global batch: when that is the
+    only difference from the run in checkpoints/, say how to keep it (rather than start over)."""
+    try:
+        previous = json.loads((root / "run.json").read_text())
+        old_world, old_batch = previous["world"], previous["batch"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    new_batch = plan["batch"]
+    if old_world == plan["world"] or old_batch["global"] == new_batch["global"]:
+        return
+    same = ckpt.fingerprint(plan["params"], old_batch["global"], plan.get("data_sha", ""))
+    if same != previous.get("fingerprint"):
+        return
+    old, world, micro = old_batch["global"], plan["world"], new_batch["micro"]
+    if old % world:
+        fix = f"resume on a number of ranks that divides {old}"
+    elif old % (micro * world) == 0:
+        fix = (
+            f"set train.global_batch: {old} and grad_accum: null (micro_batch {micro} x "
+            f"grad_accum {old // (micro * world)} x {world} ranks) to resume"
+        )
+    else:
+        fix = (
+            f"set train.global_batch: {old}, grad_accum: null and a micro_batch that divides "
+            f"{old // world}"
+        )
+    raise UsageError(
+        f"train: checkpoints/ holds this run at global batch {old} ({old_batch['micro']} x "
+        f"{old_batch['accum']} x {old_world} ranks) but micro_batch {micro} x grad_accum "
+        f"{new_batch['accum']} x {world} rank(s) = {new_batch['global']}; {fix}, or remove "
+        "checkpoints/ to start over"
+    )
+
+
+def check_layout(root: Path, plan: dict) -> None:
+    """Resuming across ZeRO stages or offload settings is not supported (DeepSpeed's universal
+    checkpoints do not load across stages): when the memory layout is the only difference from
+    the run in checkpoints/, say so instead of starting over (e.g. after zero_stage: auto
+    picked another layout on other GPUs)."""
+    try:
+        previous = json.loads((root / "run.json").read_text())
+        old_train = previous["params"]["train"]
+        old = {"zero_stage": old_train["zero_stage"], "offload": old_train["offload"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    params = copy.deepcopy(plan["params"])
+    new = {"zero_stage": params["train"]["zero_stage"], "offload": params["train"]["offload"]}
+    if old == new:
+        return
+    params["train"].update(copy.deepcopy(old))
+    batch = previous.get("batch", {}).get("global", plan["batch"]["global"])
+    if ckpt.fingerprint(params, batch, plan.get("data_sha", "")) != previous.get("fingerprint"):
+        return
+    then, now = dsconfig.layout(params["train"]), dsconfig.layout(plan["params"]["train"])
+    fix = [f"train.zero_stage: {old['zero_stage']}"]
+    for key in ("optimizer", "param"):
+        if old["offload"][key] != new["offload"][key]:
+            fix.append(f"train.offload.{key}: {old['offload'][key]}")
+    raise UsageError(
+        f"train: checkpoints/ holds this run saved with {then}, this launch uses {now}; a run "
+        f"cannot resume across ZeRO stages or offload settings: set {', '.join(fix)} to "
+        "resume, or remove checkpoints/ to start over"
+    )
+
+
+def resolve_zero(params: dict, world: int, device: str) -> dict:
+    """`train.zero_stage: auto`: the cheapest memory layout the planner says fits (ZeRO-2, then
+    ZeRO-3, then CPU offload of the optimizer, then of the parameters); params with it set."""
+    if params["train"]["zero_stage"] != "auto":
+        return params
+    from dsflow import plan as planner
+
+    params = copy.deepcopy(params)
+    stage, opt, par, why = planner.auto_layout(params, world, device)
+    train = params["train"]
+    train["zero_stage"] = stage
+    if opt and train["offload"]["optimizer"] == "none":
+        train["offload"]["optimizer"] = "cpu"
+    if par and train["offload"]["param"] == "none":
+        train["offload"]["param"] = "cpu"
+    log.info("train.zero_stage: auto -> %s (%s)", dsconfig.layout(train), why)
+    return params
 
 
 def preflight(params: dict, plan: dict) -> dict:
@@ -265,11 +368,8 @@ class SignalForwarder:
 
 
 def run(params: dict) -> None:
-    if params["train"]["zero_stage"] == 3:
-        raise UsageError(
-            "train.zero_stage: 3 is not supported by the train stage yet (export of partitioned "
-            "weights and MoE leaf modules are missing); use 0, 1 or 2"
-        )
+    device, world = resolve_device(params["train"])
+    params = resolve_zero(params, world, device)
     plan = plan_run(params)
     if launcher.slurm_fanout(params["train"]):
         _run_on_slurm_nodes(params, plan)
@@ -386,6 +486,7 @@ def _run_locked(plan: dict, nccl: dict, nodes: launcher.Nodes, lock: ckpt.RunLoc
     # this stage's signal handler or, with several nodes, by another node's.
     if (forwarder.received or code == 0) and not finished:
         resumed_from = plan["resume"] if nodes.leader else _run_json(root).get("resume")
+        resumed_from = (resumed_from or "").split("/")[0]  # "stepN/universal" is stepN
         if last and last != resumed_from:
             what = f"checkpoint {last} saved; rerun to resume from it"
         elif last:

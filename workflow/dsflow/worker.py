@@ -312,7 +312,9 @@ class Faults:
     DSFLOW_FAULT_ENOSPC=s makes rank r's checkpoint writes of step s fail as a full disk does
     (a partial file, then ENOSPC). DSFLOW_FAULT_NAN_FROM_STEP=s turns the loss NaN from step s
     on. DSFLOW_FAULT_STEP_DELAY=t sleeps t seconds per step. DSFLOW_FAULT_MARK=path: the time
-    of a kill is written there first.
+    of a kill is written there first. DSFLOW_DATA_TRACE=path: every rank appends, per training
+    micro-batch, the step and the sha1 of each window it read to path.rankR (the elastic-resume
+    test checks a resumed run reads what an uninterrupted one reads).
     """
 
     def __init__(self, rank: int):
@@ -325,6 +327,7 @@ class Faults:
         self.nan_from = _env_int("DSFLOW_FAULT_NAN_FROM_STEP")
         self.delay = float(os.environ.get("DSFLOW_FAULT_STEP_DELAY") or 0)
         self.mark = os.environ.get("DSFLOW_FAULT_MARK")
+        self.data_trace = os.environ.get("DSFLOW_DATA_TRACE")
 
     def _kill(self, what: str) -> None:
         print(f"[dsflow fault] SIGKILL rank {self.rank} {what}", file=sys.stderr, flush=True)
@@ -350,6 +353,15 @@ class Faults:
     def in_save(self, step: int) -> None:
         if self._here(step, self.save_step):
             self._kill(f"while saving step {step}: temporary tag written, not yet renamed")
+
+    def trace(self, step: int, windows: np.ndarray) -> None:
+        if not self.data_trace:
+            return
+        import hashlib
+
+        digests = [hashlib.sha1(np.ascontiguousarray(w).tobytes()).hexdigest() for w in windows]
+        with open(f"{self.data_trace}.rank{self.rank}", "a") as f:
+            f.write(json.dumps({"step": step, "windows": digests}) + "\n")
 
     def nan(self, step: int) -> bool:
         return self.nan_from is not None and step >= self.nan_from
@@ -471,13 +483,32 @@ def main() -> int:
     balance = train["balance"]
     balancer = ExpertBalancer(model, gamma=balance["gamma"], seq_aux_alpha=balance["seq_aux_alpha"])
 
+    zero3 = ds_config["zero_optimization"].get("stage", 0) == 3
     perf = kernels.resolve(
         train.get("perf", {}), device_type, ds_config["zero_optimization"]["stage"]
     )
     kernels.apply(model, perf)
     if rank == 0:
         print(f"[dsflow train] fast paths: {perf.describe()}", file=sys.stderr)
+    if zero3 and balancer.routers:
+        # ZeRO-3 gathers a module's parameters when its forward starts, following the order
+        # it traced; routed experts run in a data-dependent order (or not at all), so the
+        # ranks fetch different parameters (DeepSpeed: "Detected a disagreement on list length
+        # between rank0 and rank1", or a hang). Leaf: the whole MoE block is gathered at once.
+        from deepspeed.utils import set_z3_leaf_modules
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+        set_z3_leaf_modules(model, [DeepseekV3MoE])
+    # Marks the checkpoints as plain data parallel (no tensor/pipeline slicing), which is what
+    # deepspeed.checkpoint.ds_to_universal needs to convert them for an elastic resume.
+    from deepspeed.checkpoint import constants as ds_ckpt
+
     trainee = TrainingLM(model, ce_chunk=perf.ce_chunk)
+    setattr(
+        trainee,
+        ds_ckpt.UNIVERSAL_CHECKPOINT_INFO,
+        {ds_ckpt.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds_ckpt.UNIVERSAL_CHECKPOINT_VERSION_VALUE},
+    )
     engine, _, _, _ = deepspeed.initialize(
         model=trainee,
         model_parameters=[p for p in trainee.parameters() if p.requires_grad],
@@ -497,8 +528,16 @@ def main() -> int:
         health_state = client.get("health")
         if len(client["rng"]) == world:
             set_rng_state(client["rng"][rank])
+        if "expert_bias" in client:
+            # A universal checkpoint (another world size) restores parameters only, not the
+            # module's buffers: the router biases come from the client state.
+            balancer.load_bias_state(client["expert_bias"])
+        balancer.sync_bias()
         if rank == 0:
-            print(f"[dsflow train] resumed from step {start}", file=sys.stderr)
+            elastic = (
+                f" (saved by {len(client['rng'])} ranks)" if len(client["rng"]) != world else ""
+            )
+            print(f"[dsflow train] resumed from step {start}{elastic}", file=sys.stderr)
     health = StepHealth(train.get("max_bad_steps", 10), health_state)
 
     micro, accum = plan["batch"]["micro"], plan["batch"]["accum"]
@@ -522,18 +561,20 @@ def main() -> int:
         )
         with stance:
             total, count = evaluate_loss(
-                model,
+                engine.module,  # through DeepSpeed's module: ZeRO-3 hooks gather the weights
                 val_reader,
                 micro=micro,
                 device=device,
                 rank=rank,
                 world=world,
                 max_windows=val_windows,
+                # ZeRO-3 gathers parameters inside every forward: all ranks must run as many.
+                lockstep=zero3,
             )
         total, count = all_sum([total, count], device)
         return total / count
 
-    last_good = resume  # the newest complete checkpoint
+    last_good = resume.split("/")[0] if resume else None  # the newest complete checkpoint
 
     def save(step_done: int) -> None:
         """Atomic: every rank writes into a temporary tag; once all are done rank 0 records the
@@ -549,6 +590,7 @@ def main() -> int:
             "rng": states,
             "fingerprint": plan["fingerprint"],
             "health": health.state(),
+            "expert_bias": balancer.bias_state(),
         }
         try:
             with faults.disk_full(engine, step_done):
@@ -605,6 +647,7 @@ def main() -> int:
         for a in range(accum):
             td = time.perf_counter()
             inputs, targets = loader.get(step, a)
+            faults.trace(step + 1, loader.last_windows)
             data_wait += time.perf_counter() - td
             loss = engine(inputs, targets)
             if faults.nan(step + 1):
@@ -725,13 +768,18 @@ def main() -> int:
         save(steps)
     if val_loss is None:
         val_loss = validate()
+    # ZeRO-3: every rank takes part in gathering the full weights, rank 0 keeps them.
+    weights = engine._zero3_consolidated_16bit_state_dict() if zero3 else None
     if rank == 0:
         if logger:
             logger.close()
-        export(model)
+        export(model, weights)
+        zero = ds_config["zero_optimization"]
         hardware = {
             "device_name": device_name,
-            "zero_stage": ds_config["zero_optimization"]["stage"],
+            "zero_stage": zero["stage"],
+            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none"),
+            "offload_param": zero.get("offload_param", {}).get("device", "none"),
             "precision": train["precision"],
         }
         if device_type == "cuda":
@@ -754,12 +802,16 @@ def main() -> int:
     return 0
 
 
-def export(module) -> None:
-    """models/final in HF format: what `AutoModelForCausalLM.from_pretrained` loads."""
+def export(module, state_dict: dict | None = None) -> None:
+    """models/final in HF format: what `AutoModelForCausalLM.from_pretrained` loads.
+
+    The weights are the trained module's, in its dtype (fp32 for precision fp32, bf16 for bf16,
+    fp16 for fp16), the same for every ZeRO stage: under ZeRO-3 `state_dict` holds them
+    gathered from all ranks (engine._zero3_consolidated_16bit_state_dict, layer by layer)."""
     from transformers import AutoTokenizer
 
     with atomic_dir(FINAL) as tmp:
-        module.save_pretrained(tmp, safe_serialization=True)
+        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp)
 
 

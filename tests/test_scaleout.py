@@ -1,0 +1,419 @@
+"""ZeRO-3, offload and elastic resume: the DeepSpeed config and its checks, checkpoint layouts,
+and training on 3 CPU ranks (tiny preset) compared with ZeRO-2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_train import EVAL_EXPORTED, losses, trained_copy
+
+from conftest import ROOT, dsflow
+from dsflow import checkpoint as ckpt
+from dsflow import dsconfig
+from dsflow import params as P
+from dsflow.errors import UsageError
+
+# Global batch 12 = micro 2 x accum 2 x 3 ranks = micro 2 x accum 3 x 2 ranks.
+BATCH = {"train": {"micro_batch": 2, "grad_accum": 2, "keep_checkpoints": 3}}
+
+# fp32 on CPU: ZeRO-2 and ZeRO-3 (and offload) do the same arithmetic in a different order
+# (bucketed reduce-scatter vs. all-reduce, grad norm over partitions), so per-step losses differ
+# by rounding only: measured at most 3e-8 relative over 12 steps. 1e-6 is ~30x that and still
+# far below what any real difference (a skipped bias update, a wrong shard) moves: >= 1e-5.
+RTOL = 1e-6
+
+
+def params(**train) -> dict:
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    return P.validate(P.deep_merge(raw, {"train": train}))
+
+
+# --------------------------------------------------------------------------- DeepSpeed config
+
+
+def test_zero3_config_has_the_stage3_knobs_and_offload_sections():
+    t = params(zero_stage=3, offload={"optimizer": "cpu", "param": "cpu"})["train"]
+    z = dsconfig.zero_optimization(t, "cuda")
+    assert z["stage"] == 3
+    assert z["stage3_prefetch_bucket_size"] == t["zero"]["stage3_prefetch_bucket_size"]
+    assert z["stage3_gather_16bit_weights_on_model_save"] is True
+    assert z["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert z["offload_param"] == {"device": "cpu", "pin_memory": True}
+    # No pinned memory on the CPU accelerator; no stage3_* keys below stage 3.
+    assert dsconfig.zero_optimization(t, "cpu")["offload_param"]["pin_memory"] is False
+    z2 = dsconfig.zero_optimization(params()["train"], "cuda")
+    assert not any(k.startswith("stage3_") or k.startswith("offload") for k in z2)
+    nvme = params(zero_stage=3, offload={"optimizer": "nvme", "nvme_path": "/nvme"})["train"]
+    assert dsconfig.zero_optimization(nvme, "cuda")["offload_optimizer"]["nvme_path"] == "/nvme"
+    assert dsconfig.layout(t) == "ZeRO-3 + optimizer offload (cpu) + param offload (cpu)"
+
+
+@pytest.mark.parametrize(
+    "train, device, key, says",
+    [
+        ({"zero_stage": 2, "offload": {"param": "cpu"}}, "cuda", "train.offload.param", "3"),
+        ({"zero_stage": 0, "offload": {"optimizer": "cpu"}}, "cuda", "offload.optimizer", "1, 2"),
+        ({"zero_stage": 3, "offload": {"optimizer": "nvme"}}, "cuda", "nvme_path", "NVMe"),
+        (
+            {"zero_stage": 2, "offload": {"optimizer": "nvme", "nvme_path": "/x"}},
+            "cuda",
+            "train.offload.optimizer",
+            "zero_stage: 3",
+        ),
+        (
+            {"zero_stage": 3, "offload": {"param": "nvme", "nvme_path": "/x"}},
+            "cpu",
+            "train.offload.param",
+            "CUDA",
+        ),
+    ],
+)
+def test_offload_mistakes_fail_in_one_line_naming_the_key(train, device, key, says):
+    with pytest.raises(UsageError) as exc:
+        dsconfig.zero_optimization(params(**train)["train"], device)
+    msg = str(exc.value)
+    assert "\n" not in msg and key in msg and says in msg
+
+
+def test_schema_names_the_key_of_a_bad_offload_or_stage():
+    for train, key in (
+        ({"offload": {"optimizer": "disk"}}, "train.offload.optimizer"),
+        ({"zero_stage": 4}, "train.zero_stage"),
+    ):
+        with pytest.raises(UsageError) as exc:
+            params(**train)
+        assert key in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_auto_picks_the_cheapest_layout_that_fits():
+    from dsflow import plan as planner
+
+    auto = params(zero_stage="auto", micro_batch=1, seq_len=1024)
+    # CPU: nothing to fit, the fewest collectives.
+    assert planner.auto_layout(auto, 3, "cpu")[:3] == (2, False, False)
+    medium = P.deep_merge(auto, {"model": {"preset": "medium"}})
+    gb, host = 10**9, 1000 * 10**9
+    picks = {mem: planner.auto_layout(medium, 3, "cuda", mem * gb, host)[:3] for mem in (80, 8, 4)}
+    # Less GPU memory, a costlier layout: ZeRO-2, then ZeRO-3 + optimizer offload (ZeRO-3 alone
+    # does not fit 8 GB), then parameter offload too.
+    assert picks == {80: (2, False, False), 8: (3, True, False), 4: (3, True, True)}
+    # Offload asked for in train.offload is kept.
+    kept = P.deep_merge(medium, {"train": {"offload": {"optimizer": "cpu"}}})
+    assert planner.auto_layout(kept, 3, "cuda", 80 * gb, host)[:3] == (3, True, False)
+    with pytest.raises(UsageError) as exc:
+        planner.auto_layout(medium, 3, "cuda", 2 * gb, host)
+    msg = str(exc.value)
+    assert "\n" not in msg and "train.zero_stage: auto" in msg and "cheapest fit:" in msg
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _tag(root: Path, tag: str, world: int, zero3: bool) -> None:
+    path = root / tag
+    path.mkdir(parents=True)
+    names = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
+    if zero3:
+        names += [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]
+    else:
+        names.append(ckpt.MODEL_FILE)
+    for name in names:
+        (path / name).write_bytes(b"x" * 10)
+    ckpt.write_manifest(root, tag, ckpt.step_of(tag), world, True)
+
+
+def test_zero3_layout_validates_and_a_tag_of_another_world_size_is_resumable(tmp_path):
+    _tag(tmp_path, "step00000005", 3, zero3=True)
+    assert ckpt.validate_tag(tmp_path, "step00000005", 3, True) is None
+    (tmp_path / "step00000005" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    problem = ckpt.validate_tag(tmp_path, "step00000005", 3, True)
+    assert problem == "zero_pp_rank_1_mp_rank_00_model_states.pt missing"  # the manifest's
+    (tmp_path / "step00000005" / ckpt.MANIFEST).unlink()  # the layout alone
+    problem = ckpt.validate_tag(tmp_path, "step00000005", 3, True)
+    assert problem == "model states of rank(s) 1 missing"
+    _tag(tmp_path, "step00000010", 3, zero3=False)
+    # Strict check: another world size is named; resume (elastic) takes it anyway.
+    assert "saved by 3 rank(s)" in ckpt.validate_tag(tmp_path, "step00000010", 2, True)
+    assert ckpt.resume_tag(tmp_path, 2, True) == "step00000010"
+    assert ckpt.saved_world(tmp_path, "step00000010") == 3
+
+
+def test_fingerprint_ignores_how_the_global_batch_is_split():
+    a = params(gpus=3, micro_batch=2, grad_accum=2)
+    b = params(gpus=2, micro_batch=2, grad_accum=3, global_batch=12)
+    assert ckpt.fingerprint(a, 12, "d") == ckpt.fingerprint(b, 12, "d")
+    assert ckpt.fingerprint(a, 12, "d") != ckpt.fingerprint(a, 8, "d")
+    assert ckpt.fingerprint(a, 12, "d") != ckpt.fingerprint(params(zero_stage=3), 12, "d")
+
+
+@pytest.mark.parametrize(
+    "world, micro, says",
+    [
+        (2, 2, "set train.global_batch: 12 and grad_accum: null (micro_batch 2 x grad_accum 3"),
+        (2, 4, "a micro_batch that divides 6"),
+        (5, 2, "resume on a number of ranks that divides 12"),
+    ],
+    ids=["grad-accum", "micro-batch", "world"],
+)
+def test_another_world_size_with_another_global_batch_says_how_to_keep_it(
+    tmp_path, world, micro, says
+):
+    from dsflow import train
+
+    old = params(gpus=3, micro_batch=2, grad_accum=2)
+    (tmp_path / "run.json").write_text(
+        json.dumps(
+            {
+                "world": 3,
+                "batch": {"micro": 2, "accum": 2, "global": 12},
+                "fingerprint": ckpt.fingerprint(old, 12, "d"),
+            }
+        )
+    )
+    new = params(gpus=world, micro_batch=micro, grad_accum=1)
+    plan = {
+        "world": world,
+        "params": new,
+        "data_sha": "d",
+        "batch": {"micro": micro, "accum": 1, "global": micro * world},
+    }
+    with pytest.raises(UsageError) as exc:
+        train.check_elastic_batch(tmp_path, plan)
+    msg = str(exc.value)
+    assert "\n" not in msg and "global batch 12 (2 x 2 x 3 ranks)" in msg and says in msg
+    # Another change of the math (lr) is another run: no message (the stage starts fresh).
+    plan["params"] = P.deep_merge(new, {"train": {"optimizer": {"lr": 0.1}}})
+    train.check_elastic_batch(tmp_path, plan)
+
+
+def test_another_zero_layout_is_refused_rather_than_started_over(tmp_path):
+    """Universal checkpoints do not load across ZeRO stages: a layout change (e.g. zero_stage
+    auto on other GPUs) names the settings the checkpoints need instead of deleting them."""
+    from dsflow import train
+
+    old = params(zero_stage=2, offload={"optimizer": "cpu"})
+    (tmp_path / "run.json").write_text(
+        json.dumps(
+            {
+                "params": old,
+                "batch": {"micro": 8, "accum": 1, "global": 24},
+                "fingerprint": ckpt.fingerprint(old, 24, "d"),
+            }
+        )
+    )
+    new = params(zero_stage=3)
+    plan = {"params": new, "data_sha": "d", "batch": {"global": 24}}
+    with pytest.raises(UsageError) as exc:
+        train.check_layout(tmp_path, plan)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    assert "saved with ZeRO-2 + optimizer offload (cpu), this launch uses ZeRO-3" in msg
+    assert "set train.zero_stage: 2, train.offload.optimizer: cpu to resume" in msg
+    plan["params"] = P.deep_merge(new, {"train": {"optimizer": {"lr": 0.1}}})
+    train.check_layout(tmp_path, plan)  # another run: no message
+
+
+def test_lockstep_validation_runs_as_many_forwards_on_every_rank():
+    """ZeRO-3 hangs when one rank runs a forward the others do not: with 7 windows over 3 ranks
+    (3, 2, 2) and micro 2, every rank runs 2 forwards, and the padding counts no loss."""
+    import numpy as np
+    import torch
+
+    from dsflow.lm import evaluate_loss
+
+    class Reader:
+        seq_len, num_windows = 4, 7
+
+        def tokens(self, start, length):
+            return np.arange(start, start + length) % 5
+
+        def sequential(self, rank, world, max_windows):
+            for i in range(rank, min(max_windows, self.num_windows), world):
+                yield self.tokens(i * self.seq_len, self.seq_len + 1)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, input_ids, use_cache=False):
+            self.calls += 1
+            logits = torch.zeros(*input_ids.shape, 5)
+
+            class Out:
+                pass
+
+            out = Out()
+            out.logits = logits
+            return out
+
+    counts, tokens = [], 0
+    for rank in range(3):
+        model = Model()
+        _, n = evaluate_loss(
+            model, Reader(), micro=2, device="cpu", rank=rank, world=3, max_windows=99,
+            lockstep=True,
+        )  # fmt: skip
+        counts.append(model.calls)
+        tokens += n
+    assert counts == [2, 2, 2] and tokens == 7 * 4
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def zero2(prepared, tmp_path_factory):
+    """The reference: ZeRO-2, 3 ranks, global batch 12, uninterrupted, data traced."""
+    repo = tmp_path_factory.mktemp("zero2") / "repo"
+    trained_copy(prepared, repo, BATCH, env={"DSFLOW_DATA_TRACE": str(repo.parent / "trace")})
+    return repo
+
+
+def trace(path: Path) -> dict[int, Counter]:
+    """step -> the windows (sha1) all ranks read in it."""
+    out: dict[int, Counter] = {}
+    for file in path.parent.glob(path.name + ".rank*"):
+        for line in file.read_text().splitlines():
+            row = json.loads(line)
+            out.setdefault(row["step"], Counter()).update(row["windows"])
+    return out
+
+
+def exported_val_loss(repo: Path, model: str = "models/final") -> float:
+    code = EVAL_EXPORTED.replace('"models/final"', repr(model))
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def assert_same_curve(a: dict, b: dict, rel: float = RTOL) -> None:
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=rel, abs=0), step
+
+
+@pytest.fixture(scope="module")
+def zero3(prepared, zero2, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("zero3") / "repo"
+    trained_copy(prepared, repo, {**BATCH, "train": {**BATCH["train"], "zero_stage": 3}})
+    return repo
+
+
+@pytest.mark.slow
+def test_zero3_gives_zero2s_loss_curve_and_exports_a_loadable_model(zero2, zero3):
+    repo = zero3
+    ds = json.loads((repo / "checkpoints/ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 3
+    assert_same_curve(losses(zero2), losses(repo))
+    metrics = json.loads((repo / "metrics/train.json").read_text())
+    ref = json.loads((zero2 / "metrics/train.json").read_text())
+    assert metrics["zero_stage"] == 3 and metrics["val_loss"] == pytest.approx(
+        ref["val_loss"], rel=RTOL
+    )
+    # ZeRO-3 checkpoints: one model-states file per rank.
+    tag = repo / "checkpoints" / "step00000012"
+    assert sorted(p.name for p in tag.glob("zero_pp_rank_*_model_states.pt")) == [
+        f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(3)
+    ]
+    # The export (gathered from the 3 partitions) reloads in HF and gives the same val loss
+    # as the ZeRO-2 run's export.
+    assert (repo / "models/final/model.safetensors").exists()
+    assert exported_val_loss(repo) == pytest.approx(exported_val_loss(zero2), rel=RTOL)
+
+
+@pytest.mark.slow
+def test_export_consolidates_a_zero3_checkpoint_in_fp32_or_bf16(zero3):
+    """`dsflow export`: the fp32 master weights of a ZeRO-3 checkpoint, gathered from every
+    rank's partition, as an HF model (fp32 training: the weights of models/final); and bf16."""
+    repo = zero3
+    final = exported_val_loss(repo)
+    dsflow("export", "--tag", "step00000012", "--out", "models/fp32", cwd=repo)
+    assert exported_val_loss(repo, "models/fp32") == pytest.approx(final, rel=RTOL)
+    dsflow("export", "--dtype", "bf16", "--out", "models/bf16", cwd=repo)
+    assert exported_val_loss(repo, "models/bf16") == pytest.approx(final, rel=1e-2)
+    from safetensors import safe_open
+
+    with safe_open(repo / "models/bf16/model.safetensors", "pt") as f:
+        dtypes = {k: str(f.get_tensor(k).dtype) for k in f.keys()}
+    bias = {d for k, d in dtypes.items() if "e_score_correction_bias" in k}
+    assert bias == {"torch.float32"}  # the routing bias stays fp32 (balance.py)
+    assert {d for k, d in dtypes.items() if "e_score_correction_bias" not in k} == {
+        "torch.bfloat16"
+    }
+
+
+@pytest.mark.slow
+def test_zero3_with_cpu_optimizer_offload_gives_the_same_curve(prepared, zero2, tmp_path):
+    repo = tmp_path / "offload"
+    overlay = {"train": {**BATCH["train"], "zero_stage": 3, "offload": {"optimizer": "cpu"}}}
+    trained_copy(prepared, repo, overlay)
+    ds = json.loads((repo / "checkpoints/ds_config.json").read_text())
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["optimizer"]["params"]["torch_adam"] is True  # DeepSpeedCPUAdam needs a build
+    metrics = json.loads((repo / "metrics/train.json").read_text())
+    assert (metrics["offload_optimizer"], metrics["offload_param"]) == ("cpu", "none")
+    from dsflow.report import zero_layout
+
+    assert zero_layout(metrics) == "3 + optimizer offload (cpu)"
+    assert_same_curve(losses(zero2), losses(repo))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_elastic_resume_on_fewer_ranks_continues_the_same_run(prepared, zero2, tmp_path, stage):
+    """Killed after step 7 on 3 ranks (checkpoint of step 5), resumed on 2: the same global
+    batch, the same windows per step, the same losses as the uninterrupted 3-rank run."""
+    repo = tmp_path / "elastic"
+    overlay = {"train": {**BATCH["train"], "zero_stage": stage}}
+    proc = trained_copy(
+        prepared, repo, overlay, env={"DSFLOW_FAULT_STEP": "7", "DSFLOW_FAULT_RANK": "1"},
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert (repo / "checkpoints/latest").read_text().strip() == "step00000005"
+
+    # 2 ranks with the old micro/accum would change the global batch: refused, nothing lost.
+    two = {"train": {**overlay["train"], "gpus": 2}}
+    proc = trained_copy(prepared, repo, two, check=False)
+    assert proc.returncode == 2
+    assert "train.global_batch: 12" in proc.stderr and len(proc.stderr.strip().splitlines()) <= 3
+    assert ckpt.tags(repo / "checkpoints") == ["step00000005"]
+
+    two["train"].update(global_batch=12, grad_accum=None)
+    data = repo.parent / "trace"
+    proc = trained_copy(prepared, repo, two, env={"DSFLOW_DATA_TRACE": str(data)})
+    assert "saved by 3 rank(s), this run has 2" in proc.stderr
+    assert "resumed from step 5" in proc.stderr
+    ds = json.loads((repo / "checkpoints/ds_config.json").read_text())
+    assert ds["gradient_accumulation_steps"] == 3 and ds["train_batch_size"] == 12
+    assert json.loads((repo / "metrics/train.json").read_text())["world_size"] == 2
+
+    resumed, reference = trace(data), trace(zero2.parent / "trace")
+    assert sorted(resumed) == list(range(6, 13))
+    for step in resumed:
+        assert resumed[step] == reference[step], step
+    assert_same_curve(losses(zero2), losses(repo))
+    assert exported_val_loss(repo) == pytest.approx(exported_val_loss(zero2), rel=RTOL)
+
+
+@pytest.mark.slow
+def test_zero3_skips_non_finite_updates_and_stops_after_max_bad_steps(prepared, tmp_path):
+    """ZeRO-3's overflow check skips a NaN step's update like ZeRO 1/2 (StepHealth then stops
+    the run after train.max_bad_steps, keeping the last good checkpoint)."""
+    repo = tmp_path / "nan"
+    overlay = {"train": {"zero_stage": 3, "max_bad_steps": 2}}
+    proc = trained_copy(
+        prepared, repo, overlay, env={"DSFLOW_FAULT_NAN_FROM_STEP": "8"}, check=False
+    )
+    assert proc.returncode == 2
+    assert "for 2 consecutive step(s) (steps 8-9" in proc.stderr
+    assert "their updates were skipped" in proc.stderr
+    assert ckpt.tags(repo / "checkpoints") == ["step00000005"]

@@ -1,0 +1,97 @@
+"""`python -m dsflow export`: a checkpoint in checkpoints/ as an HF model, consolidated.
+
+The train stage writes models/final with the trained module's weights in their training dtype
+(bf16 for a bf16 run). This command writes any complete checkpoint -- whichever ZeRO stage and
+number of ranks saved it -- with the optimizer's fp32 master weights gathered from all ZeRO
+partitions (DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`), as fp32 or cast to bf16:
+safetensors + config + tokenizer, loadable with `AutoModelForCausalLM.from_pretrained`. It runs
+in one process on CPU (host RAM for the whole fp32 model, twice).
+
+    python -m dsflow export                       # the newest checkpoint -> models/export-stepN
+    python -m dsflow export --tag step00000100 --dtype bf16 --out models/step100
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dsflow import checkpoint as ckpt
+from dsflow.atomic import atomic_dir
+from dsflow.errors import UsageError
+
+TOKENIZER = Path("data/tokenizer")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--tag", help="checkpoint tag (default: the newest complete one)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--out", help="output directory (default models/export-<tag>)")
+
+
+def consolidated_state_dict(root: Path, tag: str) -> dict[str, Any]:
+    """Full fp32 weights and buffers of checkpoint `tag`: from the ZeRO partitions (stage 1-3),
+    or the model-states file itself (stage 0, which keeps full weights there)."""
+    import torch
+
+    path = root / tag
+    if not any(path.glob("*zero_pp_rank_*_optim_states.pt")):
+        state = torch.load(path / ckpt.MODEL_FILE, map_location="cpu", weights_only=False)
+        return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+
+
+def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dsflow.balance import find_routers
+    from dsflow.model import _load_checkpoint_config, model_config
+
+    try:
+        run = json.loads((root / "run.json").read_text())
+        params, vocab = run["params"], run["vocab_size"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(
+            f"{root}/run.json: unreadable ({e}); it is written by the train stage"
+        ) from None
+    model = params["model"]
+    if model["pretrained"]:
+        config = _load_checkpoint_config(model["pretrained"])
+    else:
+        config = model_config(model["preset"], vocab, model["overrides"])
+    weights = consolidated_state_dict(root, tag)
+    net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = net.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise UsageError(
+            f"checkpoint {tag} does not match the model in {root}/run.json (missing "
+            f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        )
+    if dtype == "bf16":
+        net.to(torch.bfloat16)
+        for _, router in find_routers(net):  # the routing bias stays fp32 (see balance.py)
+            router.e_score_correction_bias.data = router.e_score_correction_bias.data.float()
+    with atomic_dir(out) as tmp:
+        net.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp)
+    return out
+
+
+def run(params: dict, args: Any = None) -> None:
+    from dsflow.progress import log
+
+    root = ckpt.CHECKPOINTS
+    tag = getattr(args, "tag", None) or ckpt.resume_tag(root)
+    if not tag:
+        raise UsageError(f"{root}/ holds no complete checkpoint; run the train stage first")
+    problem = ckpt.validate_tag(root, tag, elastic=True)
+    if problem:
+        raise UsageError(f"checkpoint {root}/{tag}: {problem}")
+    dtype = getattr(args, "dtype", None) or "fp32"
+    out = Path(getattr(args, "out", None) or f"models/export-{tag}")
+    export_checkpoint(root, tag, out, dtype)
+    log.info("%s/%s -> %s (%s, consolidated from every rank's partition)", root, tag, out, dtype)
