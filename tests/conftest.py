@@ -22,6 +22,26 @@ SMALL_PARAMS = {
 }
 
 
+def tiny_run(gpus: int, steps: int, **train) -> dict:
+    """A params overlay for a short fp32 run of the tiny preset on `gpus` CPU ranks, validated
+    and checkpointed at the last step; `train` overrides any train key."""
+    return {
+        "model": {"preset": "tiny"},
+        "train": {
+            "device": "cpu",
+            "gpus": gpus,
+            "precision": "fp32",
+            "seq_len": 32,
+            "micro_batch": 2,
+            "max_steps": steps,
+            "eval_every": steps,
+            "eval_batches": 1,
+            "checkpoint_every": steps,
+            **train,
+        },
+    }
+
+
 def project_files() -> list[str]:
     out = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],

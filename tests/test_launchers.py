@@ -6,24 +6,11 @@ import shutil
 
 import pytest
 
-from conftest import dsflow, update_params
+from conftest import dsflow, tiny_run, update_params
 
 pytestmark = pytest.mark.slow
 
-RUN = {
-    "model": {"preset": "tiny"},
-    "train": {
-        "device": "cpu",
-        "gpus": 2,
-        "precision": "fp32",
-        "seq_len": 32,
-        "micro_batch": 2,
-        "max_steps": 3,
-        "eval_every": 3,
-        "eval_batches": 1,
-        "checkpoint_every": 3,
-    },
-}
+RUN = tiny_run(gpus=2, steps=3)
 
 
 def curve(repo):

@@ -13,25 +13,12 @@ import time
 
 import pytest
 
-from conftest import dsflow, update_params
+from conftest import dsflow, tiny_run, update_params
 from dsflow.launch import free_port
 
 pytestmark = pytest.mark.slow
 
-RUN = {
-    "model": {"preset": "tiny"},
-    "train": {
-        "device": "cpu",
-        "gpus": 4,
-        "precision": "fp32",
-        "seq_len": 32,
-        "micro_batch": 2,
-        "max_steps": 3,
-        "eval_every": 3,
-        "eval_batches": 1,
-        "checkpoint_every": 3,
-    },
-}
+RUN = tiny_run(gpus=4, steps=3)
 TWO_NODES = {"train": {"gpus": 2, "nodes": 2}}
 
 

@@ -6,24 +6,11 @@ from __future__ import annotations
 import pytest
 from test_pipeline import git_dvc_repo
 
-from conftest import run, update_params
+from conftest import run, tiny_run, update_params
 
 pytestmark = pytest.mark.slow
 
-TRAIN = {
-    "model": {"preset": "tiny"},
-    "train": {
-        "device": "cpu",
-        "gpus": 1,
-        "precision": "fp32",
-        "seq_len": 32,
-        "micro_batch": 2,
-        "max_steps": 2,
-        "eval_every": 2,
-        "eval_batches": 1,
-        "checkpoint_every": 2,
-    },
-}
+TRAIN = tiny_run(gpus=1, steps=2)
 # Cached outs of dvc.yaml up to train: `dvc push` uploads them, `dvc pull` restores them.
 PUSHED = [
     "data/raw",
