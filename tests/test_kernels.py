@@ -40,6 +40,10 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     assert kernels.resolve(auto, "cuda", zero_stage=3).compile is False
     with pytest.raises(UsageError, match="train.perf.compile"):
         kernels.resolve({**auto, "compile": True}, "cuda", zero_stage=3)
+    # fp16: the fused loss's gradients would underflow before loss scaling.
+    assert kernels.resolve(auto, "cuda", precision="fp16").ce_chunk == 0
+    with pytest.raises(UsageError, match="train.perf.ce_chunk"):
+        kernels.resolve({**auto, "ce_chunk": 4096}, "cuda", precision="fp16")
 
 
 @pytest.mark.parametrize("overrides", [{}, {"v_head_dim": 64}], ids=["v-narrower", "v-wider"])
@@ -71,6 +75,17 @@ def test_fused_cross_entropy_equals_the_full_one(chunk):
         torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk), reference)
     with pytest.raises(ValueError):
         linear_cross_entropy(hidden, weight, targets, 0)
+
+
+def test_fused_cross_entropy_takes_a_loss_scale_beyond_the_16_bit_range():
+    """DeepSpeed's dynamic loss scale starts at 2^16, above fp16's largest value: the backward
+    scales in fp32 before casting, so it never turns into inf."""
+    torch.manual_seed(0)
+    hidden = torch.randn(64, 16, dtype=torch.float16, requires_grad=True)
+    weight = (0.1 * torch.randn(VOCAB, 16)).half().requires_grad_()
+    targets = torch.randint(0, VOCAB, (64,))
+    (linear_cross_entropy(hidden, weight, targets, 32) * 2.0**16).backward()
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
 
 
 def test_training_module_is_the_hf_model_with_a_loss_forward():

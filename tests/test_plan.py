@@ -474,3 +474,15 @@ def test_run_without_gpu_memory_still_reports(monkeypatch, tmp_path):
         assert rep["verdict"]["fits"] is None and "--gpu-mem" in rep["verdict"]["reason"]
         assert rep["strategies"] == [] and all(r["fits"] is None for r in rep["table"])
     assert rep["summary"]["params_total"] > 0
+
+
+def test_check_fits_counts_activation_checkpointing_from_params(monkeypatch, tmp_path):
+    """The planner's advice "+ activation checkpointing" is a params switch that it honours."""
+    monkeypatch.chdir(tmp_path)
+    params = _params("profiles/h200.yaml")
+    params["train"]["micro_batch"] = 16
+    card = 22 * 10**9
+    with pytest.raises(UsageError, match="activation checkpointing"):
+        plan.check_fits(params, 1, "cuda", card)
+    params["train"]["perf"]["activation_checkpointing"] = True
+    assert plan.check_fits(params, 1, "cuda", card) is None

@@ -151,6 +151,13 @@ def test_fingerprint_ignores_how_the_global_batch_is_split():
     assert ckpt.fingerprint(a, 12, "d") == ckpt.fingerprint(b, 12, "d")
     assert ckpt.fingerprint(a, 12, "d") != ckpt.fingerprint(a, 8, "d")
     assert ckpt.fingerprint(a, 12, "d") != ckpt.fingerprint(params(zero_stage=3), 12, "d")
+    # Where the ranks run and the speed-only ZeRO/offload knobs do not change the math either.
+    c = params(gpus=3, micro_batch=2, grad_accum=2, nodes=2)
+    c["train"]["zero"]["reduce_bucket_size"] = 1000
+    c["train"]["offload"]["pin_memory"] = not c["train"]["offload"]["pin_memory"]
+    assert ckpt.fingerprint(c, 12, "d") == ckpt.fingerprint(a, 12, "d")
+    cpu_opt = params(gpus=3, micro_batch=2, grad_accum=2, offload={"optimizer": "cpu"})
+    assert ckpt.fingerprint(cpu_opt, 12, "d") != ckpt.fingerprint(a, 12, "d")
 
 
 @pytest.mark.parametrize(
@@ -363,6 +370,16 @@ def test_zero3_with_cpu_optimizer_offload_gives_the_same_curve(prepared, zero2, 
     from dsflow.report import zero_layout
 
     assert zero_layout(metrics) == "3 + optimizer offload (cpu)"
+    assert_same_curve(losses(zero2), losses(repo))
+
+
+@pytest.mark.slow
+def test_zero3_with_the_fused_cross_entropy_gives_the_same_curve(prepared, zero2, tmp_path):
+    """The fused loss reads lm_head.weight without calling lm_head: ZeRO-3 must still gather it
+    (DeepSpeed's external-parameter gathering inside the engine's forward)."""
+    repo = tmp_path / "fused"
+    perf = {"ce_chunk": 37, "attention": "flash_padded"}
+    trained_copy(prepared, repo, {"train": {**BATCH["train"], "zero_stage": 3, "perf": perf}})
     assert_same_curve(losses(zero2), losses(repo))
 
 

@@ -63,6 +63,7 @@ RESUMABLE_KEYS = {
     "max_bad_steps",
     "perf",  # fast paths change speed, not the math
     # where the ranks run, not what they compute
+    "nodes",
     "node_rank",
     "master_addr",
     "rdzv_id",
@@ -79,6 +80,11 @@ RESUMABLE_KEYS = {
 
 def fingerprint(params: dict, global_batch: int, data_sha: str) -> str:
     train = {k: v for k, v in params["train"].items() if k not in RESUMABLE_KEYS}
+    # Bucket sizes, overlap and ZeRO-3 prefetch knobs, pinned memory and the NVMe path change
+    # speed, not the math; the ZeRO stage and what is offloaded stay (checkpoint layout).
+    train.pop("zero", None)
+    if isinstance(train.get("offload"), dict):
+        train["offload"] = {k: train["offload"].get(k) for k in ("optimizer", "param")}
     blob = json.dumps(
         {
             "seed": params["seed"],

@@ -4,8 +4,9 @@ The train stage writes models/final with the trained module's weights in their t
 (bf16 for a bf16 run). This command writes any complete checkpoint -- whichever ZeRO stage and
 number of ranks saved it -- with the optimizer's fp32 master weights gathered from all ZeRO
 partitions (DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`), as fp32 or cast to bf16:
-safetensors + config + tokenizer, loadable with `AutoModelForCausalLM.from_pretrained`. It runs
-in one process on CPU (host RAM for the whole fp32 model, twice).
+safetensors + config + tokenizer, loadable with `AutoModelForCausalLM.from_pretrained`. A ZeRO-0
+checkpoint has no fp32 partitions: its module weights are written (upcast from 16 bits in a
+bf16/fp16 run). It runs in one process on CPU (host RAM for the whole fp32 model, twice).
 
     python -m dsflow export                       # the newest checkpoint -> models/export-stepN
     python -m dsflow export --tag step00000100 --dtype bf16 --out models/step100

@@ -9,7 +9,8 @@
   not minutes for the whole model, and the model object, its parameter names and HF export
   stay untouched. The expert balancer's router hook is excluded (it runs eagerly).
 - `ce_chunk`: the lm_head + cross-entropy fused over token chunks (dsflow.lm), so the
-  [tokens x vocab] logits are never held in full.
+  [tokens x vocab] logits are never held in full. Not with fp16: its gradients are formed
+  before the dynamic loss scale, and small ones would underflow (bf16 has fp32's range).
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
   the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
   micro batch, at the price of one more forward (off by default: it is slower at a given batch).
@@ -51,7 +52,7 @@ class Perf:
         )
 
 
-def resolve(perf: dict, device_type: str, zero_stage: int = 2) -> Perf:
+def resolve(perf: dict, device_type: str, zero_stage: int = 2, precision: str = "bf16") -> Perf:
     """`train.perf` with every `auto` decided for this device (see the module docstring)."""
     cuda = device_type == "cuda"
 
@@ -70,6 +71,16 @@ def resolve(perf: dict, device_type: str, zero_stage: int = 2) -> Perf:
         compile_ = False
     attention = pick("attention", "flash_padded", "sdpa")
     ce_chunk = pick("ce_chunk", DEFAULT_CE_CHUNK, 0)
+    if precision == "fp16" and ce_chunk:
+        # The fused loss forms its gradients in the forward pass, before DeepSpeed's dynamic
+        # loss scale multiplies them: in fp16 small ones would underflow.
+        if perf.get("ce_chunk", "auto") != "auto":
+            raise UsageError(
+                f"train.perf.ce_chunk: {ce_chunk} (the fused cross-entropy) does not work with "
+                "train.precision: fp16 (its gradients would underflow before loss scaling); "
+                "set train.perf.ce_chunk: auto or 0, or use bf16"
+            )
+        ce_chunk = 0
     return Perf(
         compile=compile_,
         attention=attention,

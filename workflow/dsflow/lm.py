@@ -67,8 +67,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
+        # Scale in fp32, then cast: grad_output may be a loss scale beyond the 16-bit range.
+        acc = torch.promote_types(grad_hidden.dtype, torch.float32)
         return (
-            grad_hidden * grad_output.to(grad_hidden.dtype),
+            (grad_hidden.to(acc) * grad_output.to(acc)).to(grad_hidden.dtype),
             (grad_weight * grad_output).to(ctx.weight_dtype),
             None,
             None,

@@ -1137,7 +1137,10 @@ def resolve(
         precision=precision,
         offload_optimizer=offload_opt,
         offload_params=offload_par,
-        activation_checkpointing=bool(_arg(args, "activation_checkpointing")),
+        activation_checkpointing=bool(
+            _arg(args, "activation_checkpointing")
+            or (train.get("perf") or {}).get("activation_checkpointing", False)
+        ),
         bucket_sizes=buckets,
         overlap_comm=bool(zcfg.get("overlap_comm", True)),
         seq_aux=float(train.get("balance", {}).get("seq_aux_alpha", 0.0)) > 0,
@@ -1183,9 +1186,8 @@ def report(
     rec = recommendation(rows)
     if rec and (rec["activation_checkpointing"] or rec["offload_optimizer"]):
         notes.append(
-            "dsflow's params have no switch for activation checkpointing or offload yet; "
-            "offload goes in a train.ds_config file (zero_optimization.offload_optimizer / "
-            "offload_param: {device: cpu})"
+            "in params.yaml: train.perf.activation_checkpointing: true; "
+            "train.offload.optimizer / train.offload.param: cpu (params need ZeRO-3)"
         )
     return {
         "request": {

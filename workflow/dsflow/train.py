@@ -110,6 +110,15 @@ def plan_run(params: dict) -> dict:
     ds_config = dsconfig.build(train, batch, steps, device)
     if train["ds_config"]:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
+    from dsflow import kernels
+
+    # The ranks resolve the same settings: refuse impossible ones here, in one line.
+    kernels.resolve(
+        train.get("perf", {}),
+        device,
+        ds_config["zero_optimization"].get("stage", 0),
+        precision="fp16" if ds_config.get("fp16", {}).get("enabled") else train["precision"],
+    )
     # Every shard's sha256 is checked here, once, so a corrupted shard is one line naming the
     # file, not a traceback from every rank (the ranks then skip the check).
     shards = ":".join(
@@ -241,6 +250,15 @@ def check_elastic_batch(root: Path, plan: dict) -> None:
     )
 
 
+def _layout_of(train: dict) -> dict:
+    """What fixes a checkpoint's layout: the ZeRO stage and where optimizer/params live."""
+    offload = train["offload"]
+    return {
+        "zero_stage": train["zero_stage"],
+        "offload": {"optimizer": offload["optimizer"], "param": offload["param"]},
+    }
+
+
 def check_layout(root: Path, plan: dict) -> None:
     """Resuming across ZeRO stages or offload settings is not supported (DeepSpeed's universal
     checkpoints do not load across stages): when the memory layout is the only difference from
@@ -249,14 +267,15 @@ def check_layout(root: Path, plan: dict) -> None:
     try:
         previous = json.loads((root / "run.json").read_text())
         old_train = previous["params"]["train"]
-        old = {"zero_stage": old_train["zero_stage"], "offload": old_train["offload"]}
+        old = _layout_of(old_train)
     except (OSError, ValueError, KeyError, TypeError):
         return
     params = copy.deepcopy(plan["params"])
-    new = {"zero_stage": params["train"]["zero_stage"], "offload": params["train"]["offload"]}
+    new = _layout_of(params["train"])
     if old == new:
         return
-    params["train"].update(copy.deepcopy(old))
+    params["train"]["zero_stage"] = old["zero_stage"]
+    params["train"]["offload"].update(old["offload"])
     batch = previous.get("batch", {}).get("global", plan["batch"]["global"])
     if ckpt.fingerprint(params, batch, plan.get("data_sha", "")) != previous.get("fingerprint"):
         return
@@ -368,8 +387,8 @@ class SignalForwarder:
 
 
 def run(params: dict) -> None:
-    device, world = resolve_device(params["train"])
-    params = resolve_zero(params, world, device)
+    device, local_ranks = resolve_device(params["train"])
+    params = resolve_zero(params, local_ranks * params["train"]["nodes"], device)
     plan = plan_run(params)
     if launcher.slurm_fanout(params["train"]):
         _run_on_slurm_nodes(params, plan)

@@ -485,7 +485,10 @@ def main() -> int:
 
     zero3 = ds_config["zero_optimization"].get("stage", 0) == 3
     perf = kernels.resolve(
-        train.get("perf", {}), device_type, ds_config["zero_optimization"]["stage"]
+        train.get("perf", {}),
+        device_type,
+        ds_config["zero_optimization"]["stage"],
+        precision="fp16" if ds_config.get("fp16", {}).get("enabled") else train["precision"],
     )
     kernels.apply(model, perf)
     if rank == 0:
