@@ -8,14 +8,16 @@ bf16, the same data, seed, batch and sequence length) twice:
   experts, eager), full logits + cross-entropy, batches read inline;
 - dsflow: `train.perf` at its defaults (compiled layers, padded flash attention, fused
   lm_head + cross-entropy, prefetched pinned batches);
-- optionally one run per lever with only that lever off (`--levers`), to see what each gives.
+- optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
+  `no-fused-ce`, `no-prefetch`) to see what each gives, or ZeRO stage 1 (`zero1`).
 
 It prints tokens/s, MFU (useful FLOPs only: activated params + attention, no recompute, against
 the measured peak), step time, peak memory, data-wait share and the ratio dsflow/baseline, and
 checks that the first 50 losses of the two agree within bf16 noise. Needs data/shards and
 data/tokenizer (the data stages) in the working directory; writes $OUT (or --out).
 
-    python bench/train_throughput.py --configs dense,moe --steps 80
+    python bench/train_throughput.py --configs dense,moe --variants baseline,dsflow --steps 60
+    python bench/train_throughput.py --configs dense --variants dsflow,no-compile --profile
 """
 
 from __future__ import annotations
