@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import dataclasses
 import hashlib
 import json
 import os
@@ -112,8 +113,8 @@ def plan_run(params: dict) -> dict:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
     from dsflow import kernels
 
-    # The ranks resolve the same settings: refuse impossible ones here, in one line.
-    kernels.resolve(
+    # Decided once, here (impossible settings fail in one line); the ranks read it from the plan.
+    perf = kernels.resolve(
         train.get("perf", {}),
         device,
         ds_config["zero_optimization"].get("stage", 0),
@@ -137,6 +138,7 @@ def plan_run(params: dict) -> dict:
         "fingerprint": ckpt.fingerprint(params, batch.global_batch, data_sha),
         "data_sha": data_sha,
         "data_verified": True,
+        "perf": dataclasses.asdict(perf),
         "ds_config": ds_config,
     }
 

@@ -484,12 +484,7 @@ def main() -> int:
     balancer = ExpertBalancer(model, gamma=balance["gamma"], seq_aux_alpha=balance["seq_aux_alpha"])
 
     zero3 = ds_config["zero_optimization"].get("stage", 0) == 3
-    perf = kernels.resolve(
-        train.get("perf", {}),
-        device_type,
-        ds_config["zero_optimization"]["stage"],
-        precision="fp16" if ds_config.get("fp16", {}).get("enabled") else train["precision"],
-    )
+    perf = kernels.Perf(**plan["perf"])  # resolved by the train stage (train.plan_run)
     kernels.apply(model, perf)
     if rank == 0:
         print(f"[dsflow train] fast paths: {perf.describe()}", file=sys.stderr)
