@@ -110,10 +110,9 @@ def run_stage(
     env = dict(os.environ)
     if profile:
         env["DSFLOW_PROFILE"] = f"{steps - 4}:{steps - 2}:{out / f'profile-{name}.txt'}"
-    for path in ("checkpoints", "models/final", "dvclive", "metrics/train.json"):
-        shutil.rmtree(path, ignore_errors=True) if Path(path).is_dir() else Path(path).unlink(
-            missing_ok=True
-        )
+    for path in ("checkpoints", "models/final", "dvclive"):
+        shutil.rmtree(path, ignore_errors=True)
+    Path("metrics/train.json").unlink(missing_ok=True)
     t0 = time.time()
     log_path = work / "train.log"
     with open(log_path, "w") as log:
