@@ -5,11 +5,13 @@ config, the train stage (`python -m dsflow train`, so the real code path: DeepSp
 bf16, the same data, seed, batch and sequence length) twice:
 
 - baseline: `train.perf` all off = stock HF `DeepseekV3ForCausalLM` (SDPA attention, grouped_mm
-  experts, eager), full logits + cross-entropy, batches read inline;
+  experts, eager), full logits + cross-entropy, batches read inline, DeepSpeed's own gradient
+  checks;
 - dsflow: `train.perf` at its defaults (compiled layers, padded flash attention, fused
-  lm_head + cross-entropy, prefetched pinned batches);
+  lm_head + cross-entropy, prefetched pinned batches, fused gradient overflow check and norm);
 - optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
-  `no-fused-ce`, `no-prefetch`) to see what each gives, or ZeRO stage 1 (`zero1`).
+  `no-fused-ce`, `no-prefetch`, `no-fused-checks`) to see what each gives, ZeRO stage 1
+  (`zero1`), or DeepSpeed's overlap_comm off (`no-overlap`).
 
 It prints tokens/s, MFU (useful FLOPs only: activated params + attention, no recompute, against
 the measured peak), step time, peak memory, data-wait share and the ratio dsflow/baseline, and
@@ -17,7 +19,7 @@ checks that the first 50 losses of the two agree within bf16 noise. Needs data/s
 data/tokenizer (the data stages) in the working directory; writes $OUT (or --out).
 
     python bench/train_throughput.py --configs dense,moe --variants baseline,dsflow --steps 60
-    python bench/train_throughput.py --configs dense --variants dsflow,no-compile --profile
+    python bench/train_throughput.py --configs dense --variants dsflow,no-compile --profile dsflow
 """
 
 from __future__ import annotations
@@ -44,14 +46,24 @@ CONFIGS = {
 }
 # Variants: overlays on the train section. baseline = every fast path off.
 VARIANTS = {
-    "baseline": {"perf": {"compile": False, "attention": "sdpa", "ce_chunk": 0, "prefetch": False}},
+    "baseline": {
+        "perf": {
+            "compile": False,
+            "attention": "sdpa",
+            "ce_chunk": 0,
+            "prefetch": False,
+            "fused_grad_checks": False,
+        }
+    },
     "dsflow": {},
     # one lever off at a time, the rest at their defaults (--variants to pick)
     "no-compile": {"perf": {"compile": False}},
     "no-flash": {"perf": {"attention": "sdpa"}},
     "no-fused-ce": {"perf": {"ce_chunk": 0}},
     "no-prefetch": {"perf": {"prefetch": False}},
+    "no-fused-checks": {"perf": {"fused_grad_checks": False}},
     "zero1": {"zero_stage": 1},
+    "no-overlap": {"zero": {"overlap_comm": False}},
 }
 COMPARE_STEPS = 50
 # bf16 noise: two runs of the same math whose kernels round differently drift apart by about
@@ -172,7 +184,14 @@ def main() -> int:
         default="baseline,dsflow",
         help=f"comma-separated, from: {', '.join(VARIANTS)}",
     )
-    ap.add_argument("--profile", action="store_true", help="torch.profiler tables (not baseline)")
+    ap.add_argument(
+        "--profile",
+        nargs="?",
+        const="all",
+        default="",
+        help="torch.profiler tables + traces for these variants (comma-separated; bare: all "
+        "but baseline)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -189,7 +208,9 @@ def main() -> int:
         for vname in args.variants.split(","):
             name = f"{cname}-{vname}"
             print(f"running {name} ...", flush=True)
-            profile = args.profile and vname != "baseline"
+            profile = vname in args.profile.split(",") or (
+                args.profile == "all" and vname != "baseline"
+            )
             r = run_stage(name, config, VARIANTS[vname], args.steps, peak, out, profile)
             if r.get("failed"):
                 continue

@@ -11,6 +11,8 @@
 - `ce_chunk`: the lm_head + cross-entropy fused over token chunks (dsflow.lm), so the
   [tokens x vocab] logits are never held in full. Not with fp16: its gradients are formed
   before the dynamic loss scale, and small ones would underflow (bf16 has fp32's range).
+- `fused_grad_checks`: DeepSpeed's gradient overflow check and norm in a few multi-tensor
+  launches instead of ~10 per tensor (dsflow.fusedgrads; ZeRO-1/2 without CPU offload).
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
   the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
   micro batch, at the price of one more forward (off by default: it is slower at a given batch).
@@ -42,17 +44,25 @@ class Perf:
     ce_chunk: int  # tokens per cross-entropy chunk; 0 = full logits
     prefetch: bool
     activation_checkpointing: bool = False
+    fused_grad_checks: bool = False
 
     def describe(self) -> str:
         return (
             f"compile {'on' if self.compile else 'off'}, attention {self.attention}, "
             f"cross-entropy {f'fused, {self.ce_chunk}-token chunks' if self.ce_chunk else 'full logits'}, "
             f"prefetch {'on' if self.prefetch else 'off'}, "
-            f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}"
+            f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}, "
+            f"fused gradient checks {'on' if self.fused_grad_checks else 'off'}"
         )
 
 
-def resolve(perf: dict, device_type: str, zero_stage: int = 2, precision: str = "bf16") -> Perf:
+def resolve(
+    perf: dict,
+    device_type: str,
+    zero_stage: int = 2,
+    precision: str = "bf16",
+    optimizer_offload: bool = False,
+) -> Perf:
     """`train.perf` with every `auto` decided for this device (see the module docstring)."""
     cuda = device_type == "cuda"
 
@@ -87,7 +97,23 @@ def resolve(perf: dict, device_type: str, zero_stage: int = 2, precision: str = 
         ce_chunk=int(ce_chunk),
         prefetch=bool(perf.get("prefetch", True)),
         activation_checkpointing=bool(perf.get("activation_checkpointing", False)),
+        fused_grad_checks=fused_grad_checks(perf, cuda, zero_stage, optimizer_offload),
     )
+
+
+def fused_grad_checks(perf: dict, cuda: bool, zero_stage: int, optimizer_offload: bool) -> bool:
+    value = perf.get("fused_grad_checks", "auto")
+    # Only DeepSpeed's ZeRO-1/2 optimizer, on the device, has the per-tensor loops it replaces.
+    fits = zero_stage in (1, 2) and not optimizer_offload
+    if value == "auto":
+        return cuda and fits
+    if value and not fits:
+        where = "train.offload.optimizer" if optimizer_offload else f"train.zero_stage {zero_stage}"
+        raise UsageError(
+            f"train.perf.fused_grad_checks: true needs ZeRO stage 1 or 2 without optimizer "
+            f"offload (this run has {where}); set it to auto or false"
+        )
+    return bool(value)
 
 
 def flash_padded_attention(

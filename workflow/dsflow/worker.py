@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gzip
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dsflow import checkpoint as ckpt
-from dsflow import kernels, launch
+from dsflow import fusedgrads, kernels, launch
 from dsflow.atomic import atomic_dir, atomic_file
 from dsflow.balance import ExpertBalancer
 from dsflow.data import BatchLoader, ShardReader
@@ -247,14 +248,30 @@ class StepHealth:
 
 class StepProfiler:
     """DSFLOW_PROFILE=FIRST:LAST[:PATH] profiles optimizer steps FIRST..LAST on rank 0 with
-    torch.profiler and writes a table of the ops and kernels by device time, plus device busy
-    time vs wall time per step, to PATH (default logs/profile.txt). For docs/performance.md."""
+    torch.profiler and writes a table of the ops and kernels by device time, device busy time
+    vs wall time per step, and where the device waited (idle time per phase of the step: data,
+    forward, backward, optimizer step, bookkeeping) to PATH (default logs/profile.txt), and the
+    chrome trace beside it (PATH + .trace.json.gz). For docs/performance.md."""
+
+    PHASES = ("data", "forward", "backward", "optimizer", "sync", "bookkeeping")
 
     def __init__(self, first: int | None, last: int | None, path: str, device_type: str):
         self.first, self.last, self.path = first, last, Path(path)
         self.device_type = device_type
         self.prof = None
+        self.open = None
         self.t0 = 0.0
+
+    def mark(self, phase: str | None) -> None:
+        """The step enters `phase` (None: leaves the last one); seen by the profiler only."""
+        if self.prof is None:
+            return
+        if self.open is not None:
+            self.open.__exit__(None, None, None)
+            self.open = None
+        if phase is not None:
+            self.open = torch.profiler.record_function(f"dsflow/{phase}")
+            self.open.__enter__()
 
     @classmethod
     def from_env(cls, rank: int, device_type: str) -> StepProfiler:
@@ -277,6 +294,7 @@ class StepProfiler:
         self.t0 = time.perf_counter()
 
     def step_ends(self, step: int) -> None:
+        self.mark(None)
         if self.prof is None or step != self.last:
             return
         wall = time.perf_counter() - self.t0
@@ -294,7 +312,47 @@ class StepProfiler:
                 f"device kernels {busy / 1e3 / steps:.1f} ms/step\n\n"
             )
             f.write(events.table(sort_by=key, row_limit=40, max_name_column_width=70))
+            if self.device_type == "cuda":
+                f.write("\n" + self.idle_by_phase(steps) + "\n")
+        trace = self.path.with_name(self.path.name + ".trace.json")
+        self.prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
         self.prof = None
+
+    def idle_by_phase(self, steps: int) -> str:
+        """Per phase: host wall time, and how much of it the device had no kernel running."""
+        events = self.prof.events()
+        kernels = sorted(
+            (e.time_range.start, e.time_range.end)
+            for e in events
+            if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+        )
+        busy: list[list[float]] = []
+        for start, end in kernels:
+            if busy and start <= busy[-1][1]:
+                busy[-1][1] = max(busy[-1][1], end)
+            else:
+                busy.append([start, end])
+        lines = [f"{'phase':<12} {'host ms/step':>12} {'device idle ms/step':>20}"]
+        for name in self.PHASES:
+            ranges = [
+                (e.time_range.start, e.time_range.end)
+                for e in events
+                if e.name == f"dsflow/{name}" and e.device_type.name == "CPU"
+            ]
+            wall = sum(b - a for a, b in ranges)
+            overlap = sum(
+                max(0.0, min(b, e) - max(a, s))
+                for a, b in ranges
+                for s, e in busy
+                if s < b and e > a
+            )
+            lines.append(
+                f"{name:<12} {wall / 1e3 / steps:>12.1f} {(wall - overlap) / 1e3 / steps:>20.1f}"
+            )
+        return "\n".join(lines)
 
 
 def _env_int(name: str) -> int | None:
@@ -512,6 +570,12 @@ def main() -> int:
         model_parameters=[p for p in trainee.parameters() if p.requires_grad],
         config=ds_config,
     )
+    if perf.fused_grad_checks and not fusedgrads.install(engine.optimizer) and rank == 0:
+        print(
+            "[dsflow train] train.perf.fused_grad_checks: not applicable to this layout "
+            f"({type(engine.optimizer).__name__}); DeepSpeed's own checks run",
+            file=sys.stderr,
+        )
     # DeepSpeed broadcasts parameters at start-up, not buffers: give every rank rank 0's biases.
     balancer.sync_bias()
 
@@ -643,21 +707,27 @@ def main() -> int:
         data_wait = 0.0
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         for a in range(accum):
+            profiler.mark("data")
             td = time.perf_counter()
             inputs, targets = loader.get(step, a)
             faults.trace(step + 1, loader.last_windows)
             data_wait += time.perf_counter() - td
+            profiler.mark("forward")
             loss = engine(inputs, targets)
             if faults.nan(step + 1):
                 loss = loss * float("nan")
+            profiler.mark("backward")
             engine.backward(loss + balancer.aux_loss())
+            profiler.mark("optimizer")
             engine.step()
             loss_sum += loss.detach().double()
             faults.after_micro(step + 1, a)
         step += 1
+        profiler.mark("sync")
         if device_type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
+        profiler.mark("bookkeeping")
         loss_value = all_mean(float(loss_sum) / accum, device)
         # A skipped update (overflow) must not move the expert biases either.
         applied = bool(engine.was_step_applied())

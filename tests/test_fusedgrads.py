@@ -1,0 +1,99 @@
+"""dsflow.fusedgrads gives DeepSpeed's own overflow verdict and gradient norm, on 3 CPU ranks
+whose ZeRO partitions split parameters, for ZeRO-1 and ZeRO-2, bf16 and fp32."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dsflow.launch import free_port
+
+# Each rank: a tiny bf16/fp32 model whose odd sizes make the partitions cut through tensors;
+# one backward, then DeepSpeed's methods and the fused ones on the same gradients.
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from dsflow import fusedgrads
+
+    stage, precision, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(37, 53), torch.nn.GELU(), torch.nn.Linear(53, 29), torch.nn.Linear(29, 11)
+    )
+    config = {
+        "train_batch_size": 6, "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                             config=config)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(2, 37, dtype=next(engine.module.parameters()).dtype)
+    engine.backward(engine(x).float().pow(2).mean() * 100)
+
+    def verdicts():
+        return bool(opt.has_overflow()), float(opt.scaled_global_norm())
+
+    plain = verdicts()
+    assert fusedgrads.install(opt)
+    fused = verdicts()
+    # An inf on rank 1 only (every rank must see it), then a NaN on rank 2 only.
+    results = {"plain": plain, "fused": fused, "bad": {}}
+    for value, bad_rank in (("inf", 1), ("nan", 2)):
+        grads = [g for g in opt.averaged_gradients[0] if g.numel()]
+        if rank == bad_rank:
+            keep = grads[-1].flatten()[0].clone()
+            grads[-1].flatten()[0] = float(value)
+        results["bad"][value] = [bool(opt.has_overflow())]
+        opt.has_overflow_partitioned_grads_serial = (
+            DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial.__get__(opt)
+        )
+        results["bad"][value].append(bool(opt.has_overflow()))
+        fusedgrads.install(opt)
+        if rank == bad_rank:
+            grads[-1].flatten()[0] = keep
+    results["after"] = verdicts()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "stage,precision",
+    [(2, "bf16"), (1, "bf16"), (2, "fp32")],
+    ids=["zero2-bf16", "zero1-bf16", "zero2-fp32"],
+)
+def test_fused_checks_match_deepspeed(stage, precision, tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    out = tmp_path / "out.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+        "--master-port", str(free_port()), str(script), str(stage), precision, str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["plain"][0] is False and r["fused"][0] is False
+    assert r["fused"][1] == pytest.approx(r["plain"][1], rel=1e-6)
+    assert r["plain"][1] > 0
+    # Both find the inf and the NaN that one rank holds, on every rank.
+    assert r["bad"] == {"inf": [True, True], "nan": [True, True]}
+    # The check multiplies by 1 in place: the gradients are unchanged.
+    assert r["after"] == [False, pytest.approx(r["plain"][1], rel=1e-6)]
