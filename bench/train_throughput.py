@@ -11,7 +11,8 @@ bf16, the same data, seed, batch and sequence length) twice:
   lm_head + cross-entropy, prefetched pinned batches, fused gradient overflow check and norm);
 - optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
   `no-fused-ce`, `no-prefetch`, `no-fused-checks`) to see what each gives, ZeRO stage 1
-  (`zero1`), or DeepSpeed's overlap_comm off (`no-overlap`).
+  (`zero1`), DeepSpeed's overlap_comm off (`no-overlap`), or CUDA graphs for the compiled
+  layers (`cudagraphs`).
 
 It prints tokens/s, MFU (useful FLOPs only: activated params + attention, no recompute, against
 the measured peak), step time, peak memory, data-wait share and the ratio dsflow/baseline, and
@@ -64,6 +65,7 @@ VARIANTS = {
     "no-fused-checks": {"perf": {"fused_grad_checks": False}},
     "zero1": {"zero_stage": 1},
     "no-overlap": {"zero": {"overlap_comm": False}},
+    "cudagraphs": {"perf": {"compile_mode": "reduce-overhead"}},
 }
 COMPARE_STEPS = 50
 # bf16 noise: two runs of the same math whose kernels round differently drift apart by about

@@ -45,10 +45,12 @@ class Perf:
     prefetch: bool
     activation_checkpointing: bool = False
     fused_grad_checks: bool = False
+    compile_mode: str = "default"  # torch.compile's mode; "reduce-overhead" adds CUDA graphs
 
     def describe(self) -> str:
         return (
-            f"compile {'on' if self.compile else 'off'}, attention {self.attention}, "
+            f"compile {f'on ({self.compile_mode})' if self.compile else 'off'}, "
+            f"attention {self.attention}, "
             f"cross-entropy {f'fused, {self.ce_chunk}-token chunks' if self.ce_chunk else 'full logits'}, "
             f"prefetch {'on' if self.prefetch else 'off'}, "
             f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}, "
@@ -98,6 +100,7 @@ def resolve(
         prefetch=bool(perf.get("prefetch", True)),
         activation_checkpointing=bool(perf.get("activation_checkpointing", False)),
         fused_grad_checks=fused_grad_checks(perf, cuda, zero_stage, optimizer_offload),
+        compile_mode=perf.get("compile_mode", "default"),
     )
 
 
@@ -156,7 +159,7 @@ def use_attention(model: Any, attention: str) -> None:
     model.set_attn_implementation(name)
 
 
-def compile_layers(model: Any) -> None:
+def compile_layers(model: Any, mode: str = "default") -> None:
     """torch.compile each decoder layer and the final norm in place (parameter names unchanged)."""
     import torch._dynamo
 
@@ -169,8 +172,8 @@ def compile_layers(model: Any) -> None:
         torch._dynamo.config.accumulated_cache_size_limit, 8 * limit
     )
     for layer in layers:
-        layer.compile(dynamic=False)
-    model.model.norm.compile(dynamic=False)
+        layer.compile(dynamic=False, mode=mode)
+    model.model.norm.compile(dynamic=False, mode=mode)
 
 
 def apply(model: Any, perf: Perf) -> None:
@@ -180,4 +183,4 @@ def apply(model: Any, perf: Perf) -> None:
         # Non-reentrant: the recomputation keeps autograd for the balancer's aux loss.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if perf.compile:
-        compile_layers(model)
+        compile_layers(model, perf.compile_mode)

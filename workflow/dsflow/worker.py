@@ -312,8 +312,7 @@ class StepProfiler:
                 f"device kernels {busy / 1e3 / steps:.1f} ms/step\n\n"
             )
             f.write(events.table(sort_by=key, row_limit=40, max_name_column_width=70))
-            if self.device_type == "cuda":
-                f.write("\n" + self.idle_by_phase(steps) + "\n")
+            f.write("\n" + self.idle_by_phase(steps) + "\n")
         trace = self.path.with_name(self.path.name + ".trace.json")
         self.prof.export_chrome_trace(str(trace))
         with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
@@ -700,6 +699,7 @@ def main() -> int:
     last_saved = start if start > 0 else None
     loss_value = float("nan")
     profiler = StepProfiler.from_env(rank, device_type)
+    graphs = perf.compile and perf.compile_mode in ("reduce-overhead", "max-autotune")
     while step < steps:
         profiler.step_begins(step + 1)
         faults.step_begins()
@@ -713,6 +713,9 @@ def main() -> int:
             faults.trace(step + 1, loader.last_windows)
             data_wait += time.perf_counter() - td
             profiler.mark("forward")
+            if graphs:
+                # A new iteration: CUDA graph outputs of the last one may be overwritten.
+                torch.compiler.cudagraph_mark_step_begin()
             loss = engine(inputs, targets)
             if faults.nan(step + 1):
                 loss = loss * float("nan")
