@@ -4,14 +4,17 @@ DeepSpeed 0.19 checks every gradient tensor for inf/NaN with its own amax, amin 
 launches, then takes each tensor's norm after copying it to fp64: about ten small kernels per
 tensor, each launched from Python. After the overflow check's host sync the GPU has nothing
 queued, so it idles while the host issues those launches (~40% of a 191M-parameter dense step on
-an H200, docs/performance.md). The same two answers come from two multi-tensor launches:
-`_amp_foreach_non_finite_check_and_unscale_` (GradScaler's exact elementwise inf/NaN test, at a
-scale of 1) and `_foreach_norm` with fp32 accumulation.
+an H200, docs/performance.md). Both answers come from per-tensor L2 norms taken by one
+multi-tensor launch (`_foreach_norm`, fp32 accumulation): a norm is inf/NaN exactly when its
+tensor holds an inf/NaN. (GradScaler's `_amp_foreach_non_finite_check_and_unscale_` would be
+the elementwise test, but its CUDA kernel has no bf16 version in torch 2.11.)
 
 What differs from DeepSpeed: the per-tensor norms accumulate in fp32 instead of fp64 (relative
-differences around 1e-7, far below what gradient clipping can see). Installed only where the
-result is the same quantity: no CPU offload (which keeps its own per-parameter norms), no model
-or pipeline parallelism (whose parameter filters are skipped here), L2 norms.
+differences around 1e-7, far below what gradient clipping can see), and a finite gradient so
+large that its squares overflow fp32 (~1e19) counts as an overflow (the step is skipped, where
+DeepSpeed would clip it to almost nothing). Installed only where the result is the same
+quantity: no CPU offload (which keeps its own per-parameter norms), no model or pipeline
+parallelism (whose parameter filters are skipped here), L2 norms.
 """
 
 from __future__ import annotations
@@ -48,18 +51,21 @@ def _has_overflow(self) -> torch.Tensor:
     """Any inf/NaN in this rank's gradient partition, as a [1] bool tensor on the device."""
     from deepspeed.accelerator import get_accelerator
 
-    device = get_accelerator().current_device_name()
-    found = torch.zeros(1, dtype=torch.float, device=device)
-    one = torch.ones(1, dtype=torch.float, device=device)
-    for i in range(len(self.bit16_groups)):
-        grads = _grads(self.averaged_gradients.get(i) or [])
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same in by_dtype.values():
-            # Multiplies by 1 in place (exact) and sets `found` on any inf/NaN element.
-            torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
-    return found.bool()
+    norms = [
+        norm
+        for i in range(len(self.bit16_groups))
+        for norm in _norms(_grads(self.averaged_gradients.get(i) or []))
+    ]
+    if not norms:
+        return torch.zeros(1, dtype=torch.bool, device=get_accelerator().current_device_name())
+    return (~torch.isfinite(torch.stack(norms))).any().reshape(1)
+
+
+def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's L2 norm, accumulated in fp32: inf or NaN exactly when the tensor holds an
+    inf or NaN (or when its sum of squares exceeds fp32's range, |g| ~ 1e19: a diverged step,
+    which DeepSpeed would clip to nothing anyway)."""
+    return list(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else []
 
 
 def _grad_norm(self, gradients, params, norm_type=2):
@@ -71,9 +77,8 @@ def _grad_norm(self, gradients, params, norm_type=2):
 
     if float(norm_type) != 2.0:
         return DeepSpeedZeroOptimizer.get_grad_norm_direct(self, gradients, params, norm_type)
-    grads = _grads(gradients)
-    if grads:
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    norms = _norms(_grads(gradients))
+    if norms:
         total = torch.stack(norms).double().pow(2).sum().float()
     else:
         total = torch.tensor(0.0, dtype=torch.float32, device=self.device)
