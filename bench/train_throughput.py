@@ -115,7 +115,9 @@ def run_stage(
         "eval_batches": 2,
         "checkpoint_every": steps,
         "peak_tflops": peak,
-        "optimizer": {"lr": 6e-4},
+        # Below the edge of stability: at 6e-4 single-step loss spikes near the end of the
+        # warm-up came and went with rounding, and swamped the comparison of the two curves.
+        "optimizer": {"lr": 3e-4},
     }
     train.update(variant)
     work = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
