@@ -179,3 +179,32 @@ def test_activation_checkpointing_recomputes_the_same_gradients():
     assert torch.equal(results[1][1], results[0][1])
     for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_step_profiler_writes_the_phase_table_and_trace(tmp_path):
+    """DSFLOW_PROFILE's table: host time and device idle time per phase of the step, plus a
+    chrome trace holding the phases (on CPU no device runs, so idle is the whole phase)."""
+    import gzip
+    import json
+
+    from dsflow.worker import StepProfiler
+
+    path = tmp_path / "logs" / "profile.txt"
+    prof = StepProfiler(2, 3, str(path), "cpu")
+    a = torch.randn(64, 64)
+    for step in range(1, 5):
+        prof.step_begins(step)
+        for phase in ("data", "forward", "backward", "optimizer", "sync", "bookkeeping"):
+            prof.mark(phase)
+            a = (a @ a).tanh()
+        prof.step_ends(step)
+    text = path.read_text()
+    assert text.startswith("steps 2-3: wall")
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[-6:]}
+    assert list(rows) == ["data", "forward", "backward", "optimizer", "sync", "bookkeeping"]
+    for host, idle in rows.values():
+        assert float(host) >= 0 and float(idle) == pytest.approx(float(host), abs=0.11)
+    trace = json.loads(gzip.open(f"{path}.trace.json.gz").read())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"dsflow/forward", "dsflow/bookkeeping"} <= names
+    assert prof.prof is None and prof.open is None
