@@ -8,11 +8,10 @@ bf16, the same data, seed, batch and sequence length) twice:
   experts, eager), full logits + cross-entropy, batches read inline, DeepSpeed's own gradient
   checks;
 - dsflow: `train.perf` at its defaults (compiled layers, padded flash attention, fused
-  lm_head + cross-entropy, prefetched pinned batches, fused gradient overflow check and norm);
+  lm_head + cross-entropy, prefetched pinned batches);
 - optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
-  `no-fused-ce`, `no-prefetch`, `no-fused-checks`) to see what each gives, ZeRO stage 1
-  (`zero1`), DeepSpeed's overlap_comm off (`no-overlap`), or CUDA graphs for the compiled
-  layers (`cudagraphs`).
+  `no-fused-ce`, `no-prefetch`) to see what each gives, an opt-in one on (`fused-checks`,
+  `cudagraphs`), ZeRO stage 1 (`zero1`) or DeepSpeed's overlap_comm off (`no-overlap`).
 
 It prints tokens/s, MFU (useful FLOPs only: activated params + attention, no recompute, against
 the measured peak), step time, peak memory, data-wait share and the ratio dsflow/baseline, and
@@ -21,6 +20,7 @@ data/tokenizer (the data stages) in the working directory; writes $OUT (or --out
 
     python bench/train_throughput.py --configs dense,moe --variants baseline,dsflow --steps 60
     python bench/train_throughput.py --configs dense --variants dsflow,no-compile --profile dsflow
+    python bench/train_throughput.py --configs dense,moe --variants dsflow,fused-checks,cudagraphs
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ VARIANTS = {
         }
     },
     "dsflow": {},
-    # one lever off at a time, the rest at their defaults (--variants to pick)
+    # one lever off (or an opt-in one on) at a time, the rest at their defaults (--variants)
     "no-compile": {"perf": {"compile": False}},
     "no-flash": {"perf": {"attention": "sdpa"}},
     "no-fused-ce": {"perf": {"ce_chunk": 0}},
     "no-prefetch": {"perf": {"prefetch": False}},
-    "no-fused-checks": {"perf": {"fused_grad_checks": False}},
+    "fused-checks": {"perf": {"fused_grad_checks": True}},
     "zero1": {"zero_stage": 1},
     "no-overlap": {"zero": {"overlap_comm": False}},
     "cudagraphs": {"perf": {"compile_mode": "reduce-overhead"}},

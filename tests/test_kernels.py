@@ -33,18 +33,16 @@ def batch(seed=1, size=2, seq=33):
 
 def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
-    assert kernels.resolve(auto, "cuda") == kernels.Perf(
-        True, "flash_padded", 8192, True, False, fused_grad_checks=True
-    )
+    assert kernels.resolve(auto, "cuda") == kernels.Perf(True, "flash_padded", 8192, True, False)
     assert kernels.resolve(auto, "cpu") == kernels.Perf(False, "sdpa", 0, True, False)
     assert kernels.resolve({**auto, "ce_chunk": 512, "compile": True}, "cpu").ce_chunk == 512
     # ZeRO-3 gathers parameters in module hooks: auto turns compile off, true is refused.
     assert kernels.resolve(auto, "cuda", zero_stage=3).compile is False
     with pytest.raises(UsageError, match="train.perf.compile"):
         kernels.resolve({**auto, "compile": True}, "cuda", zero_stage=3)
-    # The fused gradient checks replace loops of DeepSpeed's ZeRO-1/2 optimizer only.
+    # The fused gradient checks (opt-in) replace loops of DeepSpeed's ZeRO-1/2 optimizer only.
+    assert kernels.resolve({**auto, "fused_grad_checks": True}, "cuda", 2).fused_grad_checks
     for stage, offload in ((0, False), (3, False), (2, True)):
-        assert not kernels.resolve(auto, "cuda", stage, optimizer_offload=offload).fused_grad_checks
         with pytest.raises(UsageError, match="train.perf.fused_grad_checks"):
             kernels.resolve({**auto, "fused_grad_checks": True}, "cuda", stage, "bf16", offload)
     assert kernels.resolve({**auto, "fused_grad_checks": True}, "cpu", 1).fused_grad_checks
