@@ -100,3 +100,21 @@ def test_fused_checks_match_deepspeed(stage, precision, tmp_path):
     assert r["bad"] == {"inf": [True, True], "nan": [True, True]}
     # The checks leave the gradients as they were.
     assert r["after"] == [False, pytest.approx(r["plain"][1], rel=1e-6)]
+
+
+def test_fused_checks_dispatch_fewer_ops_per_step(tmp_path):
+    """What the lever is for: the optimizer step of the medium preset's structure dispatches
+    far fewer ops (each a kernel launch on a GPU), and forward/backward are untouched."""
+    from conftest import ROOT
+
+    out = tmp_path / "host.json"
+    cmd = [
+        sys.executable, str(ROOT / "bench/host_overhead.py"), "--configs", "dense",
+        "--variants", "deepspeed,fused-checks", "--steps", "1", "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    r = json.loads(out.read_text())["dense"]
+    plain, fused = r["deepspeed"]["ops"], r["fused-checks"]["ops"]
+    assert fused["forward"] == plain["forward"] and fused["backward"] == plain["backward"]
+    assert fused["step"] < 0.6 * plain["step"], (plain, fused)

@@ -1,0 +1,169 @@
+"""Host-side cost of a training step, per phase, side by side for train.perf variants (CPU, no GPU).
+
+On the H200 the GPU waits for the host for a large part of each step (docs/performance.md):
+what the host does per step bounds the speed there. This measures that host work where no GPU
+is lent: the `medium` preset's layers and tensors (the same number of parameter tensors and
+ops as the real model; widths divided by 16 so the arithmetic itself is small), the GPU's
+grouped_mm experts, DeepSpeed bf16 on its CPU accelerator, one gloo rank, dsflow's TrainingLM
+and expert balancer, eager (no torch.compile, which on the GPU fuses forward and backward ops). Per variant, in
+a fresh process each: host milliseconds per step for forward, backward and the optimizer step
+(median of --steps), and the number of aten ops dispatched per step in each phase (from
+torch.profiler: on CUDA each is a launch or at least a trip through the dispatcher). Then the
+ratio of each variant to the first. A proxy for the GPU host (other CPU, kernels launched
+instead of run), not a GPU measurement.
+
+    python bench/host_overhead.py --configs dense,moe --variants deepspeed,fused-checks,zero1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+# Overlays on the train section, as in bench/train_throughput.py.
+VARIANTS = {
+    "deepspeed": {},
+    "fused-checks": {"perf": {"fused_grad_checks": True}},
+    "zero1": {"zero_stage": 1},
+    "zero1-fused": {"zero_stage": 1, "perf": {"fused_grad_checks": True}},
+}
+SHRUNK = {  # the medium preset's structure at 1/16 of its widths
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "moe_intermediate_size": 24,  # grouped_mm wants 16-byte strides
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+}
+PHASES = ("forward", "backward", "step")
+
+
+def measure(config: str, variant: str, steps: int) -> dict:
+    """One variant in this process (the parent runs each in its own)."""
+    import deepspeed
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from dsflow import dsconfig, fusedgrads, kernels
+    from dsflow.balance import ExpertBalancer
+    from dsflow.lm import TrainingLM
+    from dsflow.model import build_model, model_config
+    from dsflow.params import deep_merge, load
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    train = deep_merge(load("params.yaml")["train"], VARIANTS[variant])
+    train["precision"] = "bf16"
+    overrides = dict(SHRUNK, **({"first_k_dense_replace": 16} if config == "dense" else {}))
+    torch.manual_seed(0)
+    # The GPU's expert path (grouped_mm, which also runs on CPU), not the CPU's per-expert loop.
+    model = build_model(model_config("medium", 512, overrides), device_type="cuda")
+    balancer = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=1e-4)
+    perf = kernels.resolve(train["perf"], "cpu", train["zero_stage"], "bf16")
+    ds_config = dsconfig.build(train, dsconfig.Batch(2, 1, 1), 1000, "cpu")
+    engine, *_ = deepspeed.initialize(
+        model=TrainingLM(model), model_parameters=list(model.parameters()), config=ds_config
+    )
+    if perf.fused_grad_checks:
+        assert fusedgrads.install(engine.optimizer)
+    tokens = torch.randint(0, 512, (2, 65), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {p: [] for p in PHASES}
+
+    def step() -> None:
+        t = time.perf_counter()
+        with record_function("forward"):
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+        times["forward"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        with record_function("backward"):
+            engine.backward(loss + balancer.aux_loss())
+        times["backward"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        with record_function("step"):
+            engine.step()
+        times["step"].append(time.perf_counter() - t)
+        balancer.update()
+
+    for _ in range(3):  # warm-up: allocations, lazy state
+        step()
+    for p in PHASES:
+        times[p].clear()
+    for _ in range(steps):
+        step()
+    counted = 2
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(counted):
+            step()
+    events = prof.events()
+    spans = {
+        p: [(e.time_range.start, e.time_range.end) for e in events if e.name == p] for p in PHASES
+    }
+    ops = dict.fromkeys(PHASES, 0)
+    for e in events:
+        if e.name.startswith("aten::"):
+            for phase, ranges in spans.items():
+                if any(a <= e.time_range.start < b for a, b in ranges):
+                    ops[phase] += 1
+                    break
+    return {
+        "ms": {p: 1e3 * statistics.median(times[p]) for p in PHASES},
+        "ops": {p: ops[p] / counted for p in PHASES},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="dense,moe")
+    ap.add_argument("--variants", default="deepspeed,fused-checks", help=", ".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(*args.child, args.steps)))
+        return 0
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    from dsflow.launch import free_port
+
+    print(f"{'config':<7} {'variant':<14} " + " ".join(f"{p + ' ms/ops':>18}" for p in PHASES)
+          + f" {'host ms':>8} {'x first':>8}")  # fmt: skip
+    results: dict[str, dict] = {}
+    for config in args.configs.split(","):
+        first = None
+        for variant in args.variants.split(","):
+            env["MASTER_PORT"] = str(free_port())
+            cmd = [sys.executable, __file__, "--child", config, variant, "--steps", str(args.steps)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"{config} {variant}: failed\n{proc.stderr[-2000:]}")
+                continue
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            results.setdefault(config, {})[variant] = r
+            total = sum(r["ms"].values())
+            first = first or total
+            cells = " ".join(f"{r['ms'][p]:>9.1f}/{r['ops'][p]:>8.0f}" for p in PHASES)
+            print(f"{config:<7} {variant:<14} {cells} {total:>8.1f} {total / first:>7.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
