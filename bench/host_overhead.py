@@ -144,6 +144,7 @@ def main() -> int:
     print(f"{'config':<7} {'variant':<14} " + " ".join(f"{p + ' ms/ops':>18}" for p in PHASES)
           + f" {'host ms':>8} {'x first':>8}")  # fmt: skip
     results: dict[str, dict] = {}
+    failed = False
     for config in args.configs.split(","):
         first = None
         for variant in args.variants.split(","):
@@ -152,17 +153,20 @@ def main() -> int:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(f"{config} {variant}: failed\n{proc.stderr[-2000:]}")
+                failed = True
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             results.setdefault(config, {})[variant] = r
             total = sum(r["ms"].values())
-            first = first or total
+            if variant == args.variants.split(",")[0]:
+                first = total
             cells = " ".join(f"{r['ms'][p]:>9.1f}/{r['ops'][p]:>8.0f}" for p in PHASES)
-            print(f"{config:<7} {variant:<14} {cells} {total:>8.1f} {total / first:>7.2f}x")
+            ratio = f"{total / first:>7.2f}x" if first else f"{'-':>8}"
+            print(f"{config:<7} {variant:<14} {cells} {total:>8.1f} {ratio}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import pytest
 
 from dsflow.launch import free_port
 
+pytestmark = pytest.mark.slow  # several processes each
+
 # Each rank: a tiny bf16/fp32 model whose odd sizes make the partitions cut through tensors;
 # one backward, then DeepSpeed's methods and the fused ones on the same gradients.
 RANK_SCRIPT = textwrap.dedent(
@@ -53,18 +55,17 @@ RANK_SCRIPT = textwrap.dedent(
     # An inf on rank 1 only (every rank must see it), then a NaN on rank 2 only.
     results = {"plain": plain, "fused": fused, "bad": {}}
     for value, bad_rank in (("inf", 1), ("nan", 2)):
-        grads = [g for g in opt.averaged_gradients[0] if g.numel()]
+        grads = opt.averaged_gradients[0]  # this rank's share of each gradient, in order
         if rank == bad_rank:
-            keep = grads[-1].flatten()[0].clone()
-            grads[-1].flatten()[0] = float(value)
-        results["bad"][value] = [bool(opt.has_overflow())]
-        opt.has_overflow_partitioned_grads_serial = (
-            DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial.__get__(opt)
-        )
-        results["bad"][value].append(bool(opt.has_overflow()))
+            keep = grads[0].flatten()[0].clone()
+            grads[0].flatten()[0] = float(value)
+        results["bad"][value] = [bool(opt.has_overflow()), float(opt.scaled_global_norm())]
+        for name in ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct"):
+            setattr(opt, name, getattr(DeepSpeedZeroOptimizer, name).__get__(opt))
+        results["bad"][value] += [bool(opt.has_overflow()), float(opt.scaled_global_norm())]
         fusedgrads.install(opt)
         if rank == bad_rank:
-            grads[-1].flatten()[0] = keep
+            grads[0].flatten()[0] = keep
     results["after"] = verdicts()
     if rank == 0:
         with open(out, "w") as f:
@@ -96,8 +97,10 @@ def test_fused_checks_match_deepspeed(stage, precision, tmp_path):
     assert r["plain"][0] is False and r["fused"][0] is False
     assert r["fused"][1] == pytest.approx(r["plain"][1], rel=1e-6)
     assert r["plain"][1] > 0
-    # Both find the inf and the NaN that one rank holds, on every rank.
-    assert r["bad"] == {"inf": [True, True], "nan": [True, True]}
+    # Both find the inf and the NaN that one rank holds, on every rank, and both report the
+    # global norm as invalid (DeepSpeed's -1 per group, inf combined; fused first, then its own).
+    inf = float("inf")
+    assert r["bad"] == {"inf": [True, inf, True, inf], "nan": [True, inf, True, inf]}
     # The checks leave the gradients as they were.
     assert r["after"] == [False, pytest.approx(r["plain"][1], rel=1e-6)]
 

@@ -179,6 +179,19 @@ def test_activation_checkpointing_recomputes_the_same_gradients():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_device_idle_counts_only_gaps_inside_each_phase():
+    """The profiler's idle arithmetic: kernels that overlap, straddle a phase's edges or run
+    past it; idle is the phase's time with no kernel running."""
+    from dsflow.worker import device_idle
+
+    kernels = [(0, 4), (2, 6), (9, 12), (15, 15), (20, 30)]  # busy 0-6, 9-12, 20-30
+    assert device_idle([(0, 10)], kernels) == (10, 3)  # idle 6-9
+    assert device_idle([(5, 25)], kernels) == (20, 20 - 1 - 3 - 5)
+    assert device_idle([(0, 10), (10, 20)], kernels) == (20, 3 + 8)
+    assert device_idle([(13, 19)], kernels) == (6, 6)  # the empty kernel counts for nothing
+    assert device_idle([], kernels) == (0, 0)
+
+
 def test_step_profiler_writes_the_phase_table_and_trace(tmp_path):
     """DSFLOW_PROFILE's table: host time and device idle time per phase of the step, plus a
     chrome trace holding the phases (on CPU no device runs, so idle is the whole phase)."""

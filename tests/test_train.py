@@ -154,8 +154,9 @@ def test_continued_training_from_a_pretrained_checkpoint(prepared, baseline, tmp
 
 def test_fast_paths_train_the_same_curve(prepared, baseline, tmp_path):
     """train.perf's padded attention, fused cross-entropy (a chunk that does not divide the
-    batch), prefetched batches and fused gradient norm change speed, not the math: the same losses as the plain
-    path (fp32), and the fingerprint ignores them, so a run can resume with other settings."""
+    batch), prefetched batches and fused gradient checks change speed, not the math: the same
+    losses as the plain path (fp32), and the fingerprint ignores them, so a run can resume with
+    other settings."""
     repo = tmp_path / "repo"
     perf = {
         "attention": "flash_padded",

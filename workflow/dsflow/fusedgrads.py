@@ -3,17 +3,17 @@
 DeepSpeed 0.19 checks every gradient tensor for inf/NaN with its own amax, amin and isfinite
 launches, then takes each tensor's norm after copying it to fp64: about ten small kernels per
 tensor, each launched from Python. After the overflow check's host sync the GPU has nothing
-queued, so it idles while the host issues those launches (~40% of a 191M-parameter dense step on
-an H200, docs/performance.md). Both answers come from per-tensor L2 norms taken by one
+queued, so it idles while the host issues those launches (part of the ~40% of a 191M-parameter
+dense step that an H200 waits for the host, docs/performance.md). Both answers come from per-tensor L2 norms taken by one
 multi-tensor launch (`_foreach_norm`, fp32 accumulation): a norm is inf/NaN exactly when its
 tensor holds an inf/NaN. (GradScaler's `_amp_foreach_non_finite_check_and_unscale_` would be
 the elementwise test, but its CUDA kernel has no bf16 version in torch 2.11.)
 
 What differs from DeepSpeed: the per-tensor norms accumulate in fp32 instead of fp64 (relative
-differences around 1e-7, far below what gradient clipping can see), and a finite gradient so
-large that its squares overflow fp32 (~1e19) counts as an overflow (the step is skipped, where
-DeepSpeed would clip it to almost nothing). Installed only where the result is the same
-quantity: no CPU offload (which keeps its own per-parameter norms), no model or pipeline
+differences around 1e-7, far below what gradient clipping can see); a finite gradient so large
+that its squares overflow fp32 (~1e19) makes the check report an overflow, and DeepSpeed skips
+that step too (its fp64 norm becomes inf when cast to fp32). The check and the norm each take
+one `_foreach_norm` per parameter group. Installed only where the result is the same quantity: no CPU offload (which keeps its own per-parameter norms), no model or pipeline
 parallelism (whose parameter filters are skipped here), L2 norms.
 """
 
@@ -54,7 +54,7 @@ def _has_overflow(self) -> torch.Tensor:
     norms = [
         norm
         for i in range(len(self.bit16_groups))
-        for norm in _norms(_grads(self.averaged_gradients.get(i) or []))
+        for norm in _norms(_grads(self.averaged_gradients[i]))
     ]
     if not norms:
         return torch.zeros(1, dtype=torch.bool, device=get_accelerator().current_device_name())
@@ -63,8 +63,7 @@ def _has_overflow(self) -> torch.Tensor:
 
 def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's L2 norm, accumulated in fp32: inf or NaN exactly when the tensor holds an
-    inf or NaN (or when its sum of squares exceeds fp32's range, |g| ~ 1e19: a diverged step,
-    which DeepSpeed would clip to nothing anyway)."""
+    inf or NaN, or when its sum of squares exceeds fp32's range (a step DeepSpeed skips too)."""
     return list(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else []
 
 
@@ -77,7 +76,9 @@ def _grad_norm(self, gradients, params, norm_type=2):
 
     if float(norm_type) != 2.0:
         return DeepSpeedZeroOptimizer.get_grad_norm_direct(self, gradients, params, norm_type)
-    norms = _norms(_grads(gradients))
+    # Paired with the parameters as DeepSpeed does: that drops the unmarked zeros it appends
+    # to fill the last rank's partition.
+    norms = _norms([g for g, _ in zip(_grads(gradients), params, strict=False)])
     if norms:
         total = torch.stack(norms).double().pow(2).sum().float()
     else:

@@ -114,7 +114,7 @@ def fused_grad_checks(perf: dict, zero_stage: int, optimizer_offload: bool) -> b
         where = "train.offload.optimizer" if optimizer_offload else f"train.zero_stage {zero_stage}"
         raise UsageError(
             f"train.perf.fused_grad_checks: true needs ZeRO stage 1 or 2 without optimizer "
-            f"offload (this run has {where}); set it to auto or false"
+            f"offload (this run has {where}); set it to false"
         )
     return bool(value)
 

@@ -119,7 +119,10 @@ def plan_run(params: dict) -> dict:
         device,
         ds_config["zero_optimization"].get("stage", 0),
         precision="fp16" if ds_config.get("fp16", {}).get("enabled") else train["precision"],
-        optimizer_offload="offload_optimizer" in ds_config["zero_optimization"],
+        optimizer_offload=ds_config["zero_optimization"]
+        .get("offload_optimizer", {})
+        .get("device", "none")
+        != "none",
     )
     # Every shard's sha256 is checked here, once, so a corrupted shard is one line naming the
     # file, not a traceback from every rank (the ranks then skip the check).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gzip
 import json
 import math
 import os
@@ -250,7 +249,8 @@ class StepProfiler:
     """DSFLOW_PROFILE=FIRST:LAST[:PATH] profiles optimizer steps FIRST..LAST on rank 0 with
     torch.profiler and writes a table of the ops and kernels by device time, device busy time
     vs wall time per step, and where the device waited (idle time per phase of the step: data,
-    forward, backward, optimizer step, bookkeeping) to PATH (default logs/profile.txt), and the
+    forward, backward, optimizer step, sync, bookkeeping; the stop check and checkpoint saves
+    between steps are in none) to PATH (default logs/profile.txt), and the
     chrome trace beside it (PATH + .trace.json.gz). For docs/performance.md."""
 
     PHASES = ("data", "forward", "backward", "optimizer", "sync", "bookkeeping")
@@ -302,9 +302,8 @@ class StepProfiler:
         steps = self.last - self.first + 1
         events = self.prof.key_averages()
         key = "device_time_total" if self.device_type == "cuda" else "cpu_time_total"
-        busy = sum(
-            e.self_device_time_total for e in self.prof.events() if e.device_type.name == "CUDA"
-        )
+        # The phase labels show up as device events too (user annotations): not kernel time.
+        busy = sum(e.self_device_time_total for e in self.prof.events() if _is_device_work(e))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "w") as f:
             f.write(
@@ -313,27 +312,13 @@ class StepProfiler:
             )
             f.write(events.table(sort_by=key, row_limit=40, max_name_column_width=70))
             f.write("\n" + self.idle_by_phase(steps) + "\n")
-        trace = self.path.with_name(self.path.name + ".trace.json")
-        self.prof.export_chrome_trace(str(trace))
-        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        trace.unlink()
+        self.prof.export_chrome_trace(f"{self.path}.trace.json.gz")  # gzipped by the suffix
         self.prof = None
 
     def idle_by_phase(self, steps: int) -> str:
         """Per phase: host wall time, and how much of it the device had no kernel running."""
         events = self.prof.events()
-        kernels = sorted(
-            (e.time_range.start, e.time_range.end)
-            for e in events
-            if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
-        )
-        busy: list[list[float]] = []
-        for start, end in kernels:
-            if busy and start <= busy[-1][1]:
-                busy[-1][1] = max(busy[-1][1], end)
-            else:
-                busy.append([start, end])
+        kernels = [(e.time_range.start, e.time_range.end) for e in events if _is_device_work(e)]
         lines = [f"{'phase':<12} {'host ms/step':>12} {'device idle ms/step':>20}"]
         for name in self.PHASES:
             ranges = [
@@ -341,17 +326,30 @@ class StepProfiler:
                 for e in events
                 if e.name == f"dsflow/{name}" and e.device_type.name == "CPU"
             ]
-            wall = sum(b - a for a, b in ranges)
-            overlap = sum(
-                max(0.0, min(b, e) - max(a, s))
-                for a, b in ranges
-                for s, e in busy
-                if s < b and e > a
-            )
-            lines.append(
-                f"{name:<12} {wall / 1e3 / steps:>12.1f} {(wall - overlap) / 1e3 / steps:>20.1f}"
-            )
+            wall, idle = device_idle(ranges, kernels)
+            lines.append(f"{name:<12} {wall / 1e3 / steps:>12.1f} {idle / 1e3 / steps:>20.1f}")
         return "\n".join(lines)
+
+
+def _is_device_work(event) -> bool:
+    return event.device_type.name == "CUDA" and not getattr(event, "is_user_annotation", False)
+
+
+def device_idle(
+    ranges: list[tuple[float, float]], kernels: list[tuple[float, float]]
+) -> tuple[float, float]:
+    """(total length of `ranges`, the part of it in which no interval of `kernels` runs)."""
+    busy: list[list[float]] = []
+    for start, end in sorted(k for k in kernels if k[1] > k[0]):
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end])
+    wall = sum(b - a for a, b in ranges)
+    overlap = sum(
+        max(0.0, min(b, e) - max(a, s)) for a, b in ranges for s, e in busy if s < b and e > a
+    )
+    return wall, wall - overlap
 
 
 def _env_int(name: str) -> int | None:
@@ -810,6 +808,7 @@ def main() -> int:
                     f"{event['stop']}; stopped: {kept} (lower train.optimizer.lr, or check the "
                     "data, before rerunning)"
                 )
+            profiler.mark(None)
             # Every rank stops here together: under the train stage, which reports the reason,
             # a clean exit (no launcher traceback); run by hand, a failure.
             return 0 if os.environ.get("DSFLOW_STATUS_FILE") else EXIT_FATAL
