@@ -5,9 +5,9 @@ what the host does per step bounds the speed there. This measures that host work
 is lent: the `medium` preset's layers and tensors (the same number of parameter tensors and
 ops as the real model; widths divided by 16 so the arithmetic itself is small), the GPU's
 grouped_mm experts, DeepSpeed bf16 on its CPU accelerator, one gloo rank, dsflow's TrainingLM
-and expert balancer, eager (no torch.compile, which on the GPU fuses forward and backward ops). Per variant, in
-a fresh process each: host milliseconds per step for forward, backward and the optimizer step
-(median of --steps), and the number of aten ops dispatched per step in each phase (from
+and expert balancer, eager (no torch.compile, which on the GPU fuses forward and backward ops).
+Per variant, in a fresh process each: host milliseconds per step for forward, backward and the
+optimizer step (median of --steps), and the number of aten ops dispatched per step in each phase (from
 torch.profiler: on CUDA each is a launch or at least a trip through the dispatcher). Then the
 ratio of each variant to the first. A proxy for the GPU host (other CPU, kernels launched
 instead of run), not a GPU measurement.
@@ -145,9 +145,10 @@ def main() -> int:
           + f" {'host ms':>8} {'x first':>8}")  # fmt: skip
     results: dict[str, dict] = {}
     failed = False
+    variants = args.variants.split(",")
     for config in args.configs.split(","):
         first = None
-        for variant in args.variants.split(","):
+        for variant in variants:
             env["MASTER_PORT"] = str(free_port())
             cmd = [sys.executable, __file__, "--child", config, variant, "--steps", str(args.steps)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -158,7 +159,7 @@ def main() -> int:
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             results.setdefault(config, {})[variant] = r
             total = sum(r["ms"].values())
-            if variant == args.variants.split(",")[0]:
+            if variant == variants[0]:
                 first = total
             cells = " ".join(f"{r['ms'][p]:>9.1f}/{r['ops'][p]:>8.0f}" for p in PHASES)
             ratio = f"{total / first:>7.2f}x" if first else f"{'-':>8}"

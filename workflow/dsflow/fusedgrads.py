@@ -4,17 +4,18 @@ DeepSpeed 0.19 checks every gradient tensor for inf/NaN with its own amax, amin 
 launches, then takes each tensor's norm after copying it to fp64: about ten small kernels per
 tensor, each launched from Python. After the overflow check's host sync the GPU has nothing
 queued, so it idles while the host issues those launches (part of the ~40% of a 191M-parameter
-dense step that an H200 waits for the host, docs/performance.md). Both answers come from per-tensor L2 norms taken by one
-multi-tensor launch (`_foreach_norm`, fp32 accumulation): a norm is inf/NaN exactly when its
-tensor holds an inf/NaN. (GradScaler's `_amp_foreach_non_finite_check_and_unscale_` would be
+dense step that an H200 waits for the host, docs/performance.md). Both answers come from
+per-tensor L2 norms taken by one multi-tensor launch (`_foreach_norm`, fp32 accumulation): a
+norm is inf/NaN exactly when its tensor holds an inf/NaN. (GradScaler's `_amp_foreach_non_finite_check_and_unscale_` would be
 the elementwise test, but its CUDA kernel has no bf16 version in torch 2.11.)
 
 What differs from DeepSpeed: the per-tensor norms accumulate in fp32 instead of fp64 (relative
 differences around 1e-7, far below what gradient clipping can see); a finite gradient so large
 that its squares overflow fp32 (~1e19) makes the check report an overflow, and DeepSpeed skips
 that step too (its fp64 norm becomes inf when cast to fp32). The check and the norm each take
-one `_foreach_norm` per parameter group. Installed only where the result is the same quantity: no CPU offload (which keeps its own per-parameter norms), no model or pipeline
-parallelism (whose parameter filters are skipped here), L2 norms.
+one `_foreach_norm` per parameter group. Installed only where the result is the same quantity:
+no CPU offload (which keeps its own per-parameter norms), no model or pipeline parallelism
+(whose parameter filters are skipped here), L2 norms.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def fused_grad_checks(perf: dict, zero_stage: int, optimizer_offload: bool) -> b
             f"train.perf.fused_grad_checks: true needs ZeRO stage 1 or 2 without optimizer "
             f"offload (this run has {where}); set it to false"
         )
-    return bool(value)
+    return value
 
 
 def flash_padded_attention(
