@@ -922,5 +922,15 @@ def write_metrics(history, plan, counts, val_loss, train_loss, wall_s, hardware)
         f.write("\n")
 
 
+def shutdown(code: int) -> int:
+    """Destroy the process group before the interpreter's teardown. Left to teardown, Gloo's
+    worker threads can still hold work objects, and freeing them there aborts the process
+    ("terminate called without an active exception", pytorch#190489): a finished run exiting
+    -6. No collective here: a rank that returns early does not wait for the others."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(shutdown(main()))
