@@ -129,7 +129,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         print(json.dumps(measure(*args.child, args.steps)))
-        return 0
+        from dsflow.worker import shutdown
+
+        return shutdown(0)
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
