@@ -1,0 +1,124 @@
+"""bench/train_throughput.py's loss check, on made-up curves: the GPU runs it, the CPU checks it
+judges rounding noise as agreement and a changed curve as disagreement."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location(
+        "train_throughput", ROOT / "bench/train_throughput.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def curve(wobble: float = 0.0, phase: float = 0.0, scale: float = 1.0, steps: int = 60) -> dict:
+    """A decaying loss; `wobble` adds a deterministic rounding-like ripple of that relative size."""
+    return {
+        s: scale * (3.0 + 5.0 * math.exp(-s / 15)) * (1 + wobble * math.sin(1.7 * s + phase))
+        for s in range(1, steps + 1)
+    }
+
+
+def test_identical_curves_differ_by_nothing(bench):
+    assert bench.loss_agreement(curve(), curve()) == (0.0, 0.0)
+
+
+def test_only_the_first_steps_both_runs_logged_are_compared(bench):
+    base, run = curve(), curve()
+    for s in range(bench.COMPARE_STEPS + 1, 61):
+        run[s] *= 2  # after the compared window
+    del run[7]
+    assert bench.loss_agreement(base, run) == (0.0, 0.0)
+    with pytest.raises(ValueError):
+        bench.loss_agreement(base, {100: 1.0})
+
+
+def test_a_one_step_spike_counts_in_the_mean_but_is_smoothed_in_the_max(bench):
+    base, run = curve(), curve()
+    run[25] *= 1.30
+    mean, largest = bench.loss_agreement(base, run)
+    assert mean == pytest.approx(0.30 / bench.COMPARE_STEPS)
+    # Spread over the centred 5-step means around it: a fifth of the spike, not all of it.
+    assert largest == pytest.approx(0.30 / bench.SMOOTH, rel=0.05)
+
+
+def test_the_tolerance_scales_with_the_noise_run_and_has_floors(bench):
+    assert bench.tolerance(None) == (bench.FIXED_MEAN, bench.FIXED_MAX)
+    assert bench.tolerance((0.0, 0.0)) == (bench.FLOOR_MEAN, bench.FLOOR_MAX)
+    mean, largest = bench.tolerance((0.01, 0.02))
+    assert mean == pytest.approx(bench.NOISE_FACTOR * 0.01 + bench.FLOOR_MEAN)
+    assert largest == pytest.approx(bench.NOISE_FACTOR * 0.02 + bench.FLOOR_MAX)
+
+
+def fake_stage(curves: dict):
+    def run_stage(name, config, variant, steps, peak, out, profile):
+        vname = name.split("-", 1)[1]
+        return {
+            "name": name,
+            "loss": curves[vname],
+            "step_s": 0.1,
+            "data_wait": 0.001,
+            "peak_gb": 10.0,
+            "params_total": 200e6,
+            "params_activated": 190e6,
+            "wall_s": 1.0,
+        }
+
+    return run_stage
+
+
+@pytest.mark.parametrize(
+    "dsflow, noise, agrees",
+    [
+        # Rounding-sized differences, the noise run's as large: the same math.
+        (curve(0.01, phase=1.0), curve(0.01, phase=2.0), True),
+        # The same ripple, but no noise run to calibrate on: the fixed 1% mean fails it.
+        (curve(0.03, phase=1.0), None, False),
+        # ... and with a noise run that drifts as much, it is bf16 noise.
+        (curve(0.03, phase=1.0), curve(0.03, phase=2.0), True),
+        # A curve 3% higher at every step is another result, whatever the noise run did.
+        (curve(scale=1.03), curve(0.005, phase=2.0), False),
+    ],
+)
+def test_the_bench_verdict_judges_dsflow_against_the_noise_run(
+    bench, monkeypatch, tmp_path, capsys, dsflow, noise, agrees
+):
+    curves = {"baseline": curve(), "dsflow": dsflow}
+    variants = "baseline,dsflow"
+    if noise is not None:
+        curves["noise"] = noise
+        variants = "baseline,noise,dsflow"
+    monkeypatch.setattr(bench, "run_stage", fake_stage(curves))
+    monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
+    monkeypatch.setattr(bench, "flops_per_token", lambda config: 1.2e9)
+    argv = [
+        "train_throughput.py",
+        "--configs",
+        "dense",
+        "--variants",
+        variants,
+        "--out",
+        str(tmp_path),
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    code = bench.main()
+    out = capsys.readouterr().out
+    assert code == (0 if agrees else 1)
+    assert ("dense: dsflow vs baseline agree" in out) == agrees
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["runs"]["dense"]["dsflow"]["loss_agrees"] is agrees
+    assert results["loss_tolerance"]["dense"]["from_noise_run"] is (noise is not None)
+    # 16 x 1024 tokens in 0.1 s against 700 TFLOP/s.
+    assert results["runs"]["dense"]["dsflow"]["mfu"] == pytest.approx(163840 * 1.2e9 / 700e12)
