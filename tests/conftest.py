@@ -13,6 +13,19 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# CUDA-only behaviour (kernels' dtype support, CUDA graphs): run on the GPU host with -m cuda.
+requires_cuda = pytest.mark.skipif(
+    not _has_cuda(), reason="needs a CUDA GPU (pytest -m cuda on the GPU host)"
+)
+needs_cuda = [pytest.mark.cuda, requires_cuda]
+
 # Small enough for a 2-core CI box, big enough for BPE merges and both splits.
 SMALL_PARAMS = {
     "download": {"max_docs": 400},
@@ -42,14 +55,31 @@ def tiny_run(gpus: int, steps: int, **train) -> dict:
     }
 
 
+# Where the tree is no git checkout (the GPU host gets a bare copy of it): what is not the
+# project's - outputs, data, carried wheels, caches.
+NOT_PROJECT = {".git", ".whl", "checkpoints", "models", "reports", "logs", "runs", "dvclive"}
+NOT_PROJECT |= {"metrics", ".dvc", ".snakemake", "__pycache__", ".pytest_cache", ".ruff_cache"}
+NOT_PROJECT |= {".hypothesis"}
+
+
 def project_files() -> list[str]:
-    out = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        files = (p.relative_to(ROOT) for p in ROOT.rglob("*") if p.is_file())
+        return sorted(
+            str(f)
+            for f in files
+            if not NOT_PROJECT & set(f.parts)
+            and not any(part.endswith(".egg-info") for part in f.parts)
+            and (f.parts[0] != "data" or f.name == ".gitignore")
+        )
     return [f for f in out.splitlines() if (ROOT / f).is_file()]
 
 

@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 
+from conftest import needs_cuda
 from dsflow.launch import free_port
 
 pytestmark = pytest.mark.slow  # several processes each
@@ -26,8 +27,9 @@ RANK_SCRIPT = textwrap.dedent(
     from dsflow import fusedgrads
 
     stage, precision, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = int(os.environ["RANK"])
+    on_cpu = os.environ.get("DS_ACCELERATOR") == "cpu"
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(37, 53), torch.nn.GELU(), torch.nn.Linear(53, 29), torch.nn.Linear(29, 11)
@@ -43,7 +45,7 @@ RANK_SCRIPT = textwrap.dedent(
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                              config=config)
     torch.manual_seed(1 + rank)
-    x = torch.randn(2, 37, dtype=next(engine.module.parameters()).dtype)
+    x = torch.randn(2, 37, dtype=next(engine.module.parameters()).dtype).to(engine.device)
     engine.backward(engine(x).float().pow(2).mean() * 100)
 
     def verdicts():
@@ -54,7 +56,7 @@ RANK_SCRIPT = textwrap.dedent(
     fused = verdicts()
     # An inf on rank 1 only (every rank must see it), then a NaN on rank 2 only.
     results = {"plain": plain, "fused": fused, "bad": {}}
-    for value, bad_rank in (("inf", 1), ("nan", 2)):
+    for value, bad_rank in (("inf", 1 % world), ("nan", 2 % world)):
         grads = opt.averaged_gradients[0]  # this rank's share of each gradient, in order
         if rank == bad_rank:
             keep = grads[0].flatten()[0].clone()
@@ -78,17 +80,28 @@ RANK_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    "stage,precision",
-    [(2, "bf16"), (1, "bf16"), (2, "fp32")],
-    ids=["zero2-bf16", "zero1-bf16", "zero2-fp32"],
+    "stage,precision,device",
+    [
+        (2, "bf16", "cpu"),
+        (1, "bf16", "cpu"),
+        (2, "fp32", "cpu"),
+        # CUDA kernels have their own dtype gaps (GradScaler's unscale kernel has no bf16 one):
+        # the same checks on one GPU, where there is one.
+        pytest.param(2, "bf16", "cuda", marks=needs_cuda),
+        pytest.param(1, "bf16", "cuda", marks=needs_cuda),
+    ],
+    ids=["zero2-bf16", "zero1-bf16", "zero2-fp32", "cuda-zero2-bf16", "cuda-zero1-bf16"],
 )
-def test_fused_checks_match_deepspeed(stage, precision, tmp_path):
+def test_fused_checks_match_deepspeed(stage, precision, device, tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     out = tmp_path / "out.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    ranks = "3" if device == "cpu" else "1"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks,
         "--master-port", str(free_port()), str(script), str(stage), precision, str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -1,0 +1,91 @@
+"""What only a GPU can check: the train stage's fast paths with CUDA graphs and CUDA kernels.
+
+Skipped without a CUDA GPU (CI); on the GPU host: `python -m pytest -m cuda`. The bare copy of
+the tree the GPU host gets has no .git: conftest's project copy works without one (checked
+here on every machine)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from test_train import losses, trained_copy
+
+import conftest
+from conftest import requires_cuda
+
+ON_GPU = {
+    "train": {
+        "device": "cuda",
+        "gpus": 1,
+        "micro_batch": 4,
+        "zero_stage": 2,
+    }
+}
+PLAIN = {
+    "compile": False,
+    "attention": "sdpa",
+    "ce_chunk": 0,
+    "prefetch": False,
+    "fused_grad_checks": False,
+}
+# Every CUDA fast path at once, the opt-in ones included: CUDA graphs around each compiled
+# layer, flash attention on padded V, the fused loss (a chunk that does not divide the batch),
+# pinned prefetch, fused gradient checks.
+FAST = {
+    "compile": True,
+    "compile_mode": "reduce-overhead",
+    "attention": "flash_padded",
+    "ce_chunk": 37,
+    "prefetch": True,
+    "fused_grad_checks": True,
+}
+
+
+def test_project_copy_without_git_holds_the_same_files(monkeypatch):
+    with_git = conftest.project_files()
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(conftest.subprocess, "run", no_git)
+    assert conftest.project_files() == sorted(with_git)
+
+
+def gpu_run(prepared, repo, precision: str, perf: dict):
+    overlay = {"train": {**ON_GPU["train"], "precision": precision, "perf": perf}}
+    trained_copy(prepared, repo, overlay)
+    return losses(repo)
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_fast_paths_train_the_same_curve(prepared, tmp_path):
+    """fp32 on one GPU: compiled layers replayed as CUDA graphs (outputs of one replay are
+    overwritten by the next: a loss kept across steps would show it), flash attention, the
+    fused loss and the fused gradient checks give the eager path's losses. Kernels fuse and
+    reduce in another order, so the tolerance is rounding over 12 steps, not bit-equality."""
+    plain = gpu_run(prepared, tmp_path / "plain", "fp32", PLAIN)
+    fast = gpu_run(prepared, tmp_path / "fast", "fp32", FAST)
+    assert plain.keys() == fast.keys()
+    for step in plain:
+        assert fast[step] == pytest.approx(plain[step], rel=1e-3), step
+    # Each step's loss is its own: a stale graph output would repeat the previous one.
+    assert len(set(fast.values())) == len(fast)
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_fast_paths_train_in_bf16(prepared, tmp_path):
+    """bf16 on one GPU, where the fused checks met a dtype gap before: the run completes, no
+    step is skipped as an overflow, and the loss falls."""
+    repo = tmp_path / "bf16"
+    fast = gpu_run(prepared, repo, "bf16", FAST)
+    metrics = json.loads((repo / "metrics/train.json").read_text())
+    assert metrics["skipped_steps"] == 0
+    assert all(math.isfinite(v) for v in fast.values())
+    first, last = fast[min(fast)], fast[max(fast)]
+    assert last < first - 0.5, (first, last)
