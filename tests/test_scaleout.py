@@ -307,6 +307,22 @@ def assert_same_curve(a: dict, b: dict, rel: float = RTOL) -> None:
         assert b[step] == pytest.approx(a[step], rel=rel, abs=0), step
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fused", [False, True], ids=["deepspeed-checks", "fused-checks"])
+def test_zero1_gives_zero2s_loss_curve(prepared, zero2, tmp_path, fused):
+    """ZeRO-1 (the bench's `zero1` lever: no gradient partitioning, which one GPU does not
+    need) trains the same curve, with DeepSpeed's gradient checks or the fused ones."""
+    repo = tmp_path / "zero1"
+    perf = {"fused_grad_checks": fused}
+    proc = trained_copy(
+        prepared, repo, {"train": {**BATCH["train"], "zero_stage": 1, "perf": perf}}
+    )
+    assert "not applicable" not in proc.stdout + proc.stderr  # the fused checks were installed
+    ds = json.loads((repo / "checkpoints/ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 1
+    assert_same_curve(losses(zero2), losses(repo))
+
+
 @pytest.fixture(scope="module")
 def zero3(prepared, zero2, tmp_path_factory):
     repo = tmp_path_factory.mktemp("zero3") / "repo"
