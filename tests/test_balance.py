@@ -79,6 +79,22 @@ def test_finds_moe_layers_and_counts_topk_in_training_only():
     assert int(bal.counts().sum()) == 0  # reset after update
 
 
+def test_counts_are_each_layers_top_k_choices_per_expert():
+    """The hook's counting (sync-free on CUDA, unlike torch.bincount) gives bincount's counts."""
+    model = _tiny(vocab=256).train()
+    bal = ExpertBalancer(model, gamma=0.0)
+    chosen = {i: [] for i in range(len(bal.routers))}
+    for i, (_, router) in enumerate(bal.routers):
+        router.register_forward_hook(lambda m, a, out, i=i: chosen[i].append(out[2].reshape(-1)))
+    for seed in range(3):
+        model(torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(seed)))
+    counts = bal.counts()
+    for i, picks in chosen.items():
+        expected = torch.bincount(torch.cat(picks), minlength=bal.n_experts)
+        assert torch.equal(counts[i], expected), i
+    assert len(set(map(tuple, counts.tolist()))) > 1  # the layers route differently
+
+
 def test_collecting_counts_in_eval_separately():
     model = _tiny(vocab=256)
     bal = ExpertBalancer(model, gamma=0.5)

@@ -89,3 +89,35 @@ def test_cuda_fast_paths_train_in_bf16(prepared, tmp_path):
     assert all(math.isfinite(v) for v in fast.values())
     first, last = fast[min(fast)], fast[max(fast)]
     assert last < first - 0.5, (first, last)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_expert_counting_and_update_do_not_sync_the_gpu_in_forward():
+    """The balancer's router hook runs inside every MoE layer's forward: a device sync there
+    (torch.bincount reads its input's max back to size its output) would idle the GPU once
+    per layer. Under CUDA's sync debug mode a synchronizing call raises."""
+    import torch
+
+    from dsflow.balance import ExpertBalancer
+    from dsflow.model import build_model, model_config
+
+    torch.manual_seed(0)
+    model = build_model(model_config("tiny", 256), device_type="cuda").cuda().train()
+    bal = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=1e-4)
+    _, router = bal.routers[0]
+    tokens, k = 64, model.config.num_experts_per_tok
+    hidden = torch.randn(2, tokens // 2, model.config.hidden_size, device="cuda")
+    logits = torch.randn(tokens, bal.n_experts, device="cuda", requires_grad=True)
+    topk = torch.randint(0, bal.n_experts, (tokens, k), device="cuda")
+    bal._buffer("_counts", topk.device)  # allocated once, outside the loop
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        bal._on_route(0, router, (hidden,), {}, (logits, None, topk))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (
+        bal.counts()[0].tolist() == torch.bincount(topk.flatten(), minlength=bal.n_experts).tolist()
+    )
+    assert len(bal._aux) == 1  # stashed for the sequence-wise aux loss

@@ -165,8 +165,13 @@ class ExpertBalancer:
         if self._collecting or module.training:
             which = "_eval_counts" if self._collecting else "_counts"
             with torch.no_grad():
-                counts = torch.bincount(topk_indices.reshape(-1), minlength=self.n_experts)
-                self._buffer(which, counts.device)[index] += counts
+                # Not torch.bincount: on CUDA it reads the indices' min and max back to the
+                # host to size its output, two device syncs in every MoE layer's forward that
+                # leave the GPU idle while the host catches up. Integer adds are exact in any
+                # order, so the atomics give bincount's counts.
+                chosen = topk_indices.reshape(-1)
+                row = self._buffer(which, chosen.device)[index]
+                row.index_add_(0, chosen, torch.ones_like(chosen, dtype=row.dtype))
         if self.seq_aux_alpha > 0 and module.training:
             if not (torch.is_grad_enabled() and router_logits.requires_grad):
                 if self._warned_no_grad:
