@@ -192,6 +192,16 @@ def test_device_idle_counts_only_gaps_inside_each_phase():
     assert device_idle([], kernels) == (0, 0)
 
 
+def test_sync_calls_are_counted_in_the_phase_they_start_in():
+    from dsflow.worker import count_within
+
+    syncs = [1.0, 5.0, 9.99, 10.0, 30.0]
+    assert count_within([(0, 10)], syncs) == 3
+    assert count_within([(0, 10), (10, 20)], syncs) == 4
+    assert count_within([(20, 29)], syncs) == 0
+    assert count_within([], syncs) == 0
+
+
 def test_step_profiler_writes_the_phase_table_and_trace(tmp_path):
     """DSFLOW_PROFILE's table: host time and device idle time per phase of the step, plus a
     chrome trace holding the phases (on CPU no device runs, so idle is the whole phase)."""
@@ -213,8 +223,9 @@ def test_step_profiler_writes_the_phase_table_and_trace(tmp_path):
     assert text.startswith("steps 2-3: wall")
     rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[-6:]}
     assert list(rows) == ["data", "forward", "backward", "optimizer", "sync", "bookkeeping"]
-    for host, idle in rows.values():
+    for host, idle, syncs in rows.values():
         assert float(host) >= 0 and float(idle) == pytest.approx(float(host), abs=0.11)
+        assert float(syncs) == 0  # no CUDA runtime on CPU
     trace = json.loads(gzip.open(f"{path}.trace.json.gz").read())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"dsflow/forward", "dsflow/bookkeeping"} <= names

@@ -316,10 +316,16 @@ class StepProfiler:
         self.prof = None
 
     def idle_by_phase(self, steps: int) -> str:
-        """Per phase: host wall time, and how much of it the device had no kernel running."""
+        """Per phase: host wall time, how much of it the device had no kernel running, and how
+        often the host waited for the device (after a sync the device idles until the host
+        queues work again: these are the places to look at first)."""
         events = self.prof.events()
         kernels = [(e.time_range.start, e.time_range.end) for e in events if _is_device_work(e)]
-        lines = [f"{'phase':<12} {'host ms/step':>12} {'device idle ms/step':>20}"]
+        # Versioned or per-thread-stream names carry a suffix (cudaStreamSynchronize_ptsz).
+        syncs = [e.time_range.start for e in events if e.name.split("_")[0] in SYNC_CALLS]
+        lines = [
+            f"{'phase':<12} {'host ms/step':>12} {'device idle ms/step':>20} {'syncs/step':>10}"
+        ]
         for name in self.PHASES:
             ranges = [
                 (e.time_range.start, e.time_range.end)
@@ -327,8 +333,24 @@ class StepProfiler:
                 if e.name == f"dsflow/{name}" and e.device_type.name == "CPU"
             ]
             wall, idle = device_idle(ranges, kernels)
-            lines.append(f"{name:<12} {wall / 1e3 / steps:>12.1f} {idle / 1e3 / steps:>20.1f}")
+            waits = count_within(ranges, syncs)
+            lines.append(
+                f"{name:<12} {wall / 1e3 / steps:>12.1f} {idle / 1e3 / steps:>20.1f} "
+                f"{waits / steps:>10.1f}"
+            )
         return "\n".join(lines)
+
+
+# CUDA runtime calls in which the host waits for the device (`.item()`, `.tolist()`, a
+# device-to-host copy, torch.cuda.synchronize, an event wait).
+SYNC_CALLS = frozenset(
+    {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
+)
+
+
+def count_within(ranges: list[tuple[float, float]], points: list[float]) -> int:
+    """How many of `points` fall inside one of `ranges` (half-open [start, end))."""
+    return sum(1 for t in points if any(a <= t < b for a, b in ranges))
 
 
 def _is_device_work(event) -> bool:
