@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _has_cuda() -> bool:
+    # Through NVML: asking the CUDA driver would initialise it in pytest's own process.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
     return torch.cuda.is_available()
@@ -56,10 +58,32 @@ def tiny_run(gpus: int, steps: int, **train) -> dict:
 
 
 # Where the tree is no git checkout (the GPU host gets a bare copy of it): what is not the
-# project's - outputs, data, carried wheels, caches.
-NOT_PROJECT = {".git", ".whl", "checkpoints", "models", "reports", "logs", "runs", "dvclive"}
-NOT_PROJECT |= {"metrics", ".dvc", ".snakemake", "__pycache__", ".pytest_cache", ".ruff_cache"}
-NOT_PROJECT |= {".hypothesis"}
+# project's. At the top: outputs, data, carried wheels, environments (as .gitignore says, and
+# what a session carries); anywhere: caches.
+NOT_PROJECT_TOP = {".git", ".whl", ".venv", "shared", "bench-out", ".dvc", ".snakemake"}
+NOT_PROJECT_TOP |= {"checkpoints", "models", "reports", "logs", "runs", "dvclive", "metrics"}
+NOT_PROJECT_ANY = {"__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", ".hypothesis"}
+
+
+def _walk_project(path: Path, rel: Path = Path()) -> list[str]:
+    files = []
+    for child in sorted(path.iterdir()):
+        name, sub = child.name, rel / child.name
+        top = rel == Path()
+        if (
+            name in NOT_PROJECT_ANY
+            or name.endswith(".egg-info")
+            or (top and name in NOT_PROJECT_TOP)
+        ):
+            continue
+        if child.is_dir() and not child.is_symlink():
+            if top and name == "data":  # stage outputs; only its .gitignore is the project's
+                files += [str(sub / ".gitignore")] if (child / ".gitignore").is_file() else []
+                continue
+            files += _walk_project(child, sub)
+        elif child.is_file():
+            files.append(str(sub))
+    return files
 
 
 def project_files() -> list[str]:
@@ -72,14 +96,7 @@ def project_files() -> list[str]:
             check=True,
         ).stdout
     except (OSError, subprocess.CalledProcessError):
-        files = (p.relative_to(ROOT) for p in ROOT.rglob("*") if p.is_file())
-        return sorted(
-            str(f)
-            for f in files
-            if not NOT_PROJECT & set(f.parts)
-            and not any(part.endswith(".egg-info") for part in f.parts)
-            and (f.parts[0] != "data" or f.name == ".gitignore")
-        )
+        return _walk_project(ROOT)
     return [f for f in out.splitlines() if (ROOT / f).is_file()]
 
 

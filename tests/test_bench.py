@@ -41,8 +41,8 @@ def test_only_the_first_steps_both_runs_logged_are_compared(bench):
         run[s] *= 2  # after the compared window
     del run[7]
     assert bench.loss_agreement(base, run) == (0.0, 0.0)
-    with pytest.raises(ValueError):
-        bench.loss_agreement(base, {100: 1.0})
+    assert bench.loss_agreement(base, {100: 1.0}) is None
+    assert bench.loss_agreement(base, {}) is None
 
 
 def test_a_one_step_spike_counts_in_the_mean_but_is_smoothed_in_the_max(bench):
@@ -117,8 +117,50 @@ def test_the_bench_verdict_judges_dsflow_against_the_noise_run(
     out = capsys.readouterr().out
     assert code == (0 if agrees else 1)
     assert ("dense: dsflow vs baseline agree" in out) == agrees
+    assert ("dense: dsflow vs baseline DISAGREE" in out) != agrees
+    if noise is not None:
+        drift = bench.loss_agreement(curves["baseline"], noise)
+        noisy = drift[0] > bench.FIXED_MEAN or drift[1] > bench.FIXED_MAX
+        assert ("warning: the noise run drifted" in out) == noisy
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["runs"]["dense"]["dsflow"]["loss_agrees"] is agrees
     assert results["loss_tolerance"]["dense"]["from_noise_run"] is (noise is not None)
     # 16 x 1024 tokens in 0.1 s against 700 TFLOP/s.
     assert results["runs"]["dense"]["dsflow"]["mfu"] == pytest.approx(163840 * 1.2e9 / 700e12)
+
+
+def test_every_lever_is_judged_and_a_run_without_losses_disagrees(
+    bench, monkeypatch, tmp_path, capsys
+):
+    """Each run but the two references gets a verdict and counts for the exit code; a run
+    that logged no losses disagrees instead of stopping the bench; the noise run is the
+    reference, not judged, and a noisy one draws a warning."""
+    curves = {
+        "baseline": curve(),
+        "noise": curve(0.03, phase=2.0),
+        "dsflow": curve(0.01, phase=1.0),
+        "zero1": {},
+    }
+    monkeypatch.setattr(bench, "run_stage", fake_stage(curves))
+    monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
+    monkeypatch.setattr(bench, "flops_per_token", lambda config: 1.2e9)
+    argv = ["x", "--configs", "dense", "--variants", ",".join(curves), "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert bench.main() == 1
+    out = capsys.readouterr().out
+    assert "dense: dsflow vs baseline agree" in out
+    assert "dense: zero1 vs baseline DISAGREE" in out
+    assert "noise vs baseline" not in out
+    assert "warning: the noise run drifted" in out
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]["dense"]
+    assert runs["noise"]["loss_agrees"] is None and runs["baseline"]["loss_agrees"] is None
+
+
+def test_without_a_baseline_nothing_is_judged(bench, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench, "run_stage", fake_stage({"dsflow": curve(), "zero1": curve()}))
+    monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
+    monkeypatch.setattr(bench, "flops_per_token", lambda config: 1.2e9)
+    argv = ["x", "--configs", "dense", "--variants", "dsflow,zero1", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert bench.main() == 0
+    assert "dense: losses not compared" in capsys.readouterr().out

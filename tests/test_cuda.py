@@ -64,7 +64,8 @@ def gpu_run(prepared, repo, precision: str, perf: dict):
 @requires_cuda
 def test_cuda_fast_paths_train_the_same_curve(prepared, tmp_path):
     """fp32 on one GPU: compiled layers replayed as CUDA graphs (outputs of one replay are
-    overwritten by the next: a loss kept across steps would show it), flash attention, the
+    overwritten by the next: a loss kept across steps would show it), attention on padded V
+    (in fp32 SDPA takes its memory-efficient kernel; the flash one runs in the bf16 test), the
     fused loss and the fused gradient checks give the eager path's losses. Kernels fuse and
     reduce in another order, so the tolerance is rounding over 12 steps, not bit-equality."""
     plain = gpu_run(prepared, tmp_path / "plain", "fp32", PLAIN)

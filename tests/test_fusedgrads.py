@@ -26,16 +26,16 @@ RANK_SCRIPT = textwrap.dedent(
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from dsflow import fusedgrads
 
-    stage, precision, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    on_cpu = os.environ.get("DS_ACCELERATOR") == "cpu"
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
+    stage, precision, device, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    assert deepspeed.get_accelerator().device_name() == device, "DS_ACCELERATOR disagrees"
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(37, 53), torch.nn.GELU(), torch.nn.Linear(53, 29), torch.nn.Linear(29, 11)
     )
     config = {
-        "train_batch_size": 6, "train_micro_batch_size_per_gpu": 2,
+        "train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
@@ -96,13 +96,11 @@ def test_fused_checks_match_deepspeed(stage, precision, device, tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     out = tmp_path / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": device}
     ranks = "3" if device == "cpu" else "1"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks,
-        "--master-port", str(free_port()), str(script), str(stage), precision, str(out),
+        "--master-port", str(free_port()), str(script), str(stage), precision, device, str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
