@@ -11,7 +11,8 @@ bf16, the same data, seed, batch and sequence length) twice:
   lm_head + cross-entropy, prefetched pinned batches);
 - optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
   `no-fused-ce`, `no-prefetch`) to see what each gives, an opt-in one on (`fused-checks`,
-  `cudagraphs`), ZeRO stage 1 (`zero1`) or DeepSpeed's overlap_comm off (`no-overlap`).
+  `cudagraphs`), ZeRO stage 1 or 0 (`zero1`, `zero0`: one GPU has nothing to partition) or
+  DeepSpeed's overlap_comm off (`no-overlap`).
 
 - noise: the baseline with one exact change of kernel (flash attention on zero-padded V),
   which measures bf16 noise: how far a curve that differs from the baseline's only by
@@ -69,6 +70,7 @@ VARIANTS = {
     "no-prefetch": {"perf": {"prefetch": False}},
     "fused-checks": {"perf": {"fused_grad_checks": True}},
     "zero1": {"zero_stage": 1},
+    "zero0": {"zero_stage": 0},
     "no-overlap": {"zero": {"overlap_comm": False}},
     "cudagraphs": {"perf": {"compile_mode": "reduce-overhead"}},
 }

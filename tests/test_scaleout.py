@@ -308,6 +308,17 @@ def assert_same_curve(a: dict, b: dict, rel: float = RTOL) -> None:
 
 
 @pytest.mark.slow
+def test_zero0_gives_zero2s_loss_curve(prepared, zero2, tmp_path):
+    """ZeRO-0 (the bench's `zero0` lever: plain data parallelism, no partitioned optimizer)
+    trains the same curve."""
+    repo = tmp_path / "zero0"
+    trained_copy(prepared, repo, {"train": {**BATCH["train"], "zero_stage": 0}})
+    ds = json.loads((repo / "checkpoints/ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 0
+    assert_same_curve(losses(zero2), losses(repo))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True], ids=["deepspeed-checks", "fused-checks"])
 def test_zero1_gives_zero2s_loss_curve(prepared, zero2, tmp_path, fused):
     """ZeRO-1 (the bench's `zero1` lever: no gradient partitioning, which one GPU does not
