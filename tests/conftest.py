@@ -96,7 +96,7 @@ def project_files() -> list[str]:
             check=True,
         ).stdout
     except (OSError, subprocess.CalledProcessError):
-        return _walk_project(ROOT)
+        return sorted(_walk_project(ROOT))
     return [f for f in out.splitlines() if (ROOT / f).is_file()]
 
 
