@@ -58,6 +58,7 @@ def measure(config: str, variant: str, steps: int) -> dict:
     from dsflow.lm import TrainingLM
     from dsflow.model import build_model, model_config
     from dsflow.params import deep_merge, load
+    from dsflow.worker import count_within
 
     deepspeed.init_distributed(dist_backend="gloo")
     train = deep_merge(load("params.yaml")["train"], VARIANTS[variant])
@@ -103,16 +104,13 @@ def measure(config: str, variant: str, steps: int) -> dict:
         for _ in range(counted):
             step()
     events = prof.events()
-    spans = {
-        p: [(e.time_range.start, e.time_range.end) for e in events if e.name == p] for p in PHASES
+    starts = [e.time_range.start for e in events if e.name.startswith("aten::")]
+    ops = {
+        p: count_within(
+            [(e.time_range.start, e.time_range.end) for e in events if e.name == p], starts
+        )
+        for p in PHASES
     }
-    ops = dict.fromkeys(PHASES, 0)
-    for e in events:
-        if e.name.startswith("aten::"):
-            for phase, ranges in spans.items():
-                if any(a <= e.time_range.start < b for a, b in ranges):
-                    ops[phase] += 1
-                    break
     return {
         "ms": {p: 1e3 * statistics.median(times[p]) for p in PHASES},
         "ops": {p: ops[p] / counted for p in PHASES},
