@@ -198,6 +198,12 @@ def zero_optimization(train: dict, device_type: str) -> dict:
     return cfg
 
 
+def offload_device(zero: dict, what: str) -> str:
+    """Where a built (or user-merged) `zero_optimization` section offloads `what` (optimizer or
+    param): cpu, nvme or none."""
+    return zero.get(f"offload_{what}", {}).get("device", "none")
+
+
 def layout(train: dict) -> str:
     """ "ZeRO-3 + optimizer offload (cpu)": the memory layout in words, for logs."""
     off = train["offload"]

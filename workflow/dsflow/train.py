@@ -119,9 +119,7 @@ def plan_run(params: dict) -> dict:
         device,
         ds_config["zero_optimization"].get("stage", 0),
         precision="fp16" if ds_config.get("fp16", {}).get("enabled") else train["precision"],
-        optimizer_offload=ds_config["zero_optimization"]
-        .get("offload_optimizer", {})
-        .get("device", "none")
+        optimizer_offload=dsconfig.offload_device(ds_config["zero_optimization"], "optimizer")
         != "none",
     )
     # Every shard's sha256 is checked here, once, so a corrupted shard is one line naming the

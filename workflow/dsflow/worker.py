@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dsflow import checkpoint as ckpt
-from dsflow import fusedgrads, kernels, launch
+from dsflow import dsconfig, fusedgrads, kernels, launch
 from dsflow.atomic import atomic_dir, atomic_file
 from dsflow.balance import ExpertBalancer
 from dsflow.data import BatchLoader, ShardReader
@@ -870,8 +870,8 @@ def main() -> int:
         hardware = {
             "device_name": device_name,
             "zero_stage": zero["stage"],
-            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none"),
-            "offload_param": zero.get("offload_param", {}).get("device", "none"),
+            "offload_optimizer": dsconfig.offload_device(zero, "optimizer"),
+            "offload_param": dsconfig.offload_device(zero, "param"),
             "precision": train["precision"],
         }
         if device_type == "cuda":
