@@ -79,6 +79,16 @@ def fake_stage(curves: dict):
     return run_stage
 
 
+def run_bench(bench, monkeypatch, tmp_path, curves: dict, variants: str) -> int:
+    """bench.main() on `curves` (variant -> losses) for the dense config, no GPU needed."""
+    monkeypatch.setattr(bench, "run_stage", fake_stage(curves))
+    monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
+    monkeypatch.setattr(bench, "flops_per_token", lambda config: 1.2e9)
+    argv = ["x", "--configs", "dense", "--variants", variants, "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    return bench.main()
+
+
 @pytest.mark.parametrize(
     "dsflow, noise, agrees",
     [
@@ -100,20 +110,7 @@ def test_the_bench_verdict_judges_dsflow_against_the_noise_run(
     if noise is not None:
         curves["noise"] = noise
         variants = "baseline,noise,dsflow"
-    monkeypatch.setattr(bench, "run_stage", fake_stage(curves))
-    monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
-    monkeypatch.setattr(bench, "flops_per_token", lambda config: 1.2e9)
-    argv = [
-        "train_throughput.py",
-        "--configs",
-        "dense",
-        "--variants",
-        variants,
-        "--out",
-        str(tmp_path),
-    ]
-    monkeypatch.setattr(sys, "argv", argv)
-    code = bench.main()
+    code = run_bench(bench, monkeypatch, tmp_path, curves, variants)
     out = capsys.readouterr().out
     assert code == (0 if agrees else 1)
     assert ("dense: dsflow vs baseline agree" in out) == agrees
@@ -141,12 +138,7 @@ def test_every_lever_is_judged_and_a_run_without_losses_disagrees(
         "dsflow": curve(0.01, phase=1.0),
         "zero1": {},
     }
-    monkeypatch.setattr(bench, "run_stage", fake_stage(curves))
-    monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
-    monkeypatch.setattr(bench, "flops_per_token", lambda config: 1.2e9)
-    argv = ["x", "--configs", "dense", "--variants", ",".join(curves), "--out", str(tmp_path)]
-    monkeypatch.setattr(sys, "argv", argv)
-    assert bench.main() == 1
+    assert run_bench(bench, monkeypatch, tmp_path, curves, ",".join(curves)) == 1
     out = capsys.readouterr().out
     assert "dense: dsflow vs baseline agree" in out
     assert "dense: zero1 vs baseline DISAGREE" in out
@@ -157,10 +149,6 @@ def test_every_lever_is_judged_and_a_run_without_losses_disagrees(
 
 
 def test_without_a_baseline_nothing_is_judged(bench, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(bench, "run_stage", fake_stage({"dsflow": curve(), "zero1": curve()}))
-    monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
-    monkeypatch.setattr(bench, "flops_per_token", lambda config: 1.2e9)
-    argv = ["x", "--configs", "dense", "--variants", "dsflow,zero1", "--out", str(tmp_path)]
-    monkeypatch.setattr(sys, "argv", argv)
-    assert bench.main() == 0
+    curves = {"dsflow": curve(), "zero1": curve()}
+    assert run_bench(bench, monkeypatch, tmp_path, curves, "dsflow,zero1") == 0
     assert "dense: losses not compared" in capsys.readouterr().out
