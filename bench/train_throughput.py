@@ -8,10 +8,10 @@ bf16, the same data, seed, batch and sequence length) twice:
   experts, eager), full logits + cross-entropy, batches read inline, DeepSpeed's own gradient
   checks;
 - dsflow: `train.perf` at its defaults (compiled layers, padded flash attention, fused
-  lm_head + cross-entropy, prefetched pinned batches);
+  lm_head + cross-entropy, prefetched pinned batches, fused gradient checks);
 - optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
-  `no-fused-ce`, `no-prefetch`) to see what each gives, an opt-in one on (`fused-checks`,
-  `cudagraphs`), ZeRO stage 1 or 0 (`zero1`, `zero0`: one GPU has nothing to partition) or
+  `no-fused-ce`, `no-prefetch`, `no-fused-checks`) to see what each gives, an opt-in one on
+  (`cudagraphs`), ZeRO stage 1 or 0 (`zero1`, `zero0`: one GPU has nothing to partition) or
   DeepSpeed's overlap_comm off (`no-overlap`).
 
 - noise: the baseline with one exact change of kernel (flash attention on zero-padded V),
@@ -26,7 +26,7 @@ data/tokenizer (the data stages) in the working directory; writes $OUT (or --out
 
     python bench/train_throughput.py --configs dense,moe --variants baseline,noise,dsflow --steps 60
     python bench/train_throughput.py --configs dense --variants dsflow,no-compile --profile dsflow
-    python bench/train_throughput.py --configs dense,moe --variants dsflow,fused-checks,cudagraphs
+    python bench/train_throughput.py --configs dense,moe --variants dsflow,no-fused-checks,cudagraphs
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ VARIANTS = {
     "no-flash": {"perf": {"attention": "sdpa"}},
     "no-fused-ce": {"perf": {"ce_chunk": 0}},
     "no-prefetch": {"perf": {"prefetch": False}},
-    "fused-checks": {"perf": {"fused_grad_checks": True}},
+    "no-fused-checks": {"perf": {"fused_grad_checks": False}},
     "zero1": {"zero_stage": 1},
     "zero0": {"zero_stage": 0},
     "no-overlap": {"zero": {"overlap_comm": False}},

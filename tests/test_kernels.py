@@ -33,19 +33,47 @@ def batch(seed=1, size=2, seq=33):
 
 def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
-    assert kernels.resolve(auto, "cuda") == kernels.Perf(True, "flash_padded", 8192, True, False)
+    fast = kernels.Perf(True, "flash_padded", 8192, True, False, fused_grad_checks=True)
+    assert kernels.resolve(auto, "cuda") == fast
     assert kernels.resolve(auto, "cpu") == kernels.Perf(False, "sdpa", 0, True, False)
     assert kernels.resolve({**auto, "ce_chunk": 512, "compile": True}, "cpu").ce_chunk == 512
     # ZeRO-3 gathers parameters in module hooks: auto turns compile off, true is refused.
     assert kernels.resolve(auto, "cuda", zero_stage=3).compile is False
     with pytest.raises(UsageError, match="train.perf.compile"):
         kernels.resolve({**auto, "compile": True}, "cuda", zero_stage=3)
-    # The fused gradient checks (opt-in) replace loops of DeepSpeed's ZeRO-1/2 optimizer only.
-    assert kernels.resolve({**auto, "fused_grad_checks": True}, "cuda", 2).fused_grad_checks
-    for stage, offload in ((0, False), (3, False), (2, True)):
-        with pytest.raises(UsageError, match="train.perf.fused_grad_checks"):
-            kernels.resolve({**auto, "fused_grad_checks": True}, "cuda", stage, "bf16", offload)
-    assert kernels.resolve({**auto, "fused_grad_checks": True}, "cpu", 1).fused_grad_checks
+
+
+@pytest.mark.parametrize(
+    "device,stage,precision,offload,on",
+    [
+        ("cuda", 2, "bf16", False, True),
+        ("cuda", 1, "bf16", False, True),
+        ("cuda", 2, "fp32", False, True),
+        ("cuda", 2, "fp16", False, False),  # the loss-scaled path has no test of its own
+        ("cuda", 0, "bf16", False, False),  # DeepSpeed's ZeRO-1/2 optimizer only
+        ("cuda", 3, "bf16", False, False),
+        ("cuda", 2, "bf16", True, False),  # CPU offload keeps its own per-parameter norms
+        ("cpu", 2, "bf16", False, False),
+    ],
+)
+def test_fused_grad_checks_auto_is_on_where_it_fits_and_is_tested(
+    device, stage, precision, offload, on
+):
+    assert kernels.resolve({}, device, stage, precision, offload).fused_grad_checks is on
+    assert not kernels.resolve(
+        {"fused_grad_checks": False}, device, stage, precision, offload
+    ).fused_grad_checks
+    fits = stage in (1, 2) and not offload
+    if fits:  # true insists, on any device and precision
+        perf = kernels.resolve({"fused_grad_checks": True}, device, stage, precision, offload)
+        assert perf.fused_grad_checks
+    else:
+        with pytest.raises(UsageError, match="train.perf.fused_grad_checks: true .* auto or false"):
+            kernels.resolve({"fused_grad_checks": True}, device, stage, precision, offload)
+
+
+def test_fp16_turns_the_fused_loss_off():
+    auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
     # fp16: the fused loss's gradients would underflow before loss scaling.
     assert kernels.resolve(auto, "cuda", precision="fp16").ce_chunk == 0
     with pytest.raises(UsageError, match="train.perf.ce_chunk"):

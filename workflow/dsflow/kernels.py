@@ -13,7 +13,8 @@
   before the dynamic loss scale, and small ones would underflow (bf16 has fp32's range).
 - `fused_grad_checks`: DeepSpeed's gradient overflow check and norm in a few multi-tensor
   launches instead of ~10 per tensor (dsflow.fusedgrads; ZeRO-1/2 without CPU offload).
-  Opt-in: correct on CPU (tests), not yet measured on a GPU.
+  `auto` turns it on for CUDA in bf16/fp32 where it fits: 1.4x the dense step on one H200
+  (docs/performance.md). fp16 (dynamic loss scaling) is untested, so there it stays opt-in.
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
   the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
   micro batch, at the price of one more forward (off by default: it is slower at a given batch).
@@ -100,23 +101,28 @@ def resolve(
         ce_chunk=int(ce_chunk),
         prefetch=bool(perf.get("prefetch", True)),
         activation_checkpointing=bool(perf.get("activation_checkpointing", False)),
-        fused_grad_checks=fused_grad_checks(perf, zero_stage, optimizer_offload),
+        fused_grad_checks=fused_grad_checks(perf, zero_stage, optimizer_offload, cuda, precision),
         compile_mode=perf.get("compile_mode", "default"),
     )
 
 
-def fused_grad_checks(perf: dict, zero_stage: int, optimizer_offload: bool) -> bool:
-    """Opt-in (not yet measured on a GPU: docs/performance.md), for the one optimizer it fits."""
-    value = bool(perf.get("fused_grad_checks", False))
+def fused_grad_checks(
+    perf: dict, zero_stage: int, optimizer_offload: bool, cuda: bool = True, precision: str = "bf16"
+) -> bool:
+    """On for CUDA where it fits and is tested (bf16/fp32); `true` insists, `false` never."""
+    value = perf.get("fused_grad_checks", "auto")
     # Only DeepSpeed's ZeRO-1/2 optimizer, on the device, has the per-tensor loops it replaces.
     fits = zero_stage in (1, 2) and not optimizer_offload
+    if value == "auto":
+        # On CPU the per-tensor launches cost little; fp16's loss-scaled path has no test.
+        return fits and cuda and precision in ("bf16", "fp32")
     if value and not fits:
         where = "train.offload.optimizer" if optimizer_offload else f"train.zero_stage {zero_stage}"
         raise UsageError(
             f"train.perf.fused_grad_checks: true needs ZeRO stage 1 or 2 without optimizer "
-            f"offload (this run has {where}); set it to false"
+            f"offload (this run has {where}); set it to auto or false"
         )
-    return value
+    return bool(value)
 
 
 def flash_padded_attention(
