@@ -4,6 +4,7 @@ and training on 3 CPU ranks (tiny preset) compared with ZeRO-2."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -111,6 +112,59 @@ def test_auto_picks_the_cheapest_layout_that_fits():
         planner.auto_layout(medium, 3, "cuda", 2 * gb, host)
     msg = str(exc.value)
     assert "\n" not in msg and "train.zero_stage: auto" in msg and "cheapest fit:" in msg
+
+
+# One rank, two micro-steps per step: how often the engine waits for the device in 5 steps,
+# with DeepSpeed's default timers and with dsflow's config.
+SYNC_SCRIPT = """
+import json, os, sys
+import torch, deepspeed
+from deepspeed.accelerator import get_accelerator
+cfg = json.loads(sys.argv[1])
+deepspeed.init_distributed(dist_backend="gloo")
+accel = type(get_accelerator())
+waits = {}
+for name, config in (("default", {k: v for k, v in cfg.items() if k != "timers"}), ("dsflow", cfg)):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    count, plain = [0], accel.synchronize
+    def counting(self, device_index=None):
+        count[0] += 1
+        return plain(self, device_index)
+    accel.synchronize = counting
+    for _ in range(5 * 2):
+        x = torch.randn(2, 8, dtype=next(engine.module.parameters()).dtype)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    accel.synchronize = plain
+    waits[name] = count[0]
+print(json.dumps(waits))
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_the_engine_does_not_wait_for_the_device_at_each_micro_step(tmp_path):
+    """DeepSpeed's throughput timer synchronizes the device at every micro-step's forward and
+    step; after each the GPU idles until the host queues work again. dsflow's config turns it
+    off (the train stage times whole steps itself)."""
+    from dsflow.launch import free_port
+
+    cfg = dsconfig.build(params()["train"], dsconfig.Batch(2, 2, 1), 10, "cpu")
+    env = {
+        **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+        "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+    }  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", SYNC_SCRIPT, json.dumps(cfg)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    waits = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The timer starts at step 3: 3 timed steps x 2 micro-steps x (forward + step).
+    assert waits == {"default": 12, "dsflow": 0}
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -104,6 +104,9 @@ def build(train: dict, batch: Batch, steps: int, device_type: str) -> dict:
         "gradient_clipping": train["grad_clip"],
         "steps_per_print": 10**9,  # dsflow logs itself
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer waits for the device at every micro-step's forward and
+        # step (to time them); dsflow times whole steps itself, with one wait per step.
+        "timers": {"throughput": {"enabled": False}},
         "optimizer": {
             "type": "AdamW",
             "params": {
