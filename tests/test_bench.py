@@ -118,7 +118,7 @@ def test_the_bench_verdict_judges_dsflow_against_the_noise_run(
     if noise is not None:
         drift = bench.loss_agreement(curves["baseline"], noise)
         noisy = drift[0] > bench.FIXED_MEAN or drift[1] > bench.FIXED_MAX
-        assert ("warning: the noise run drifted" in out) == noisy
+        assert ("warning: the noise runs drifted" in out) == noisy
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["runs"]["dense"]["dsflow"]["loss_agrees"] is agrees
     assert results["loss_tolerance"]["dense"]["from_noise_run"] is (noise is not None)
@@ -129,12 +129,13 @@ def test_the_bench_verdict_judges_dsflow_against_the_noise_run(
 def test_every_lever_is_judged_and_a_run_without_losses_disagrees(
     bench, monkeypatch, tmp_path, capsys
 ):
-    """Each run but the two references gets a verdict and counts for the exit code; a run
-    that logged no losses disagrees instead of stopping the bench; the noise run is the
-    reference, not judged, and a noisy one draws a warning."""
+    """Each run but the references gets a verdict and counts for the exit code; a run that
+    logged no losses disagrees instead of stopping the bench; the noise runs are references,
+    not judged, and noisy ones draw a warning."""
     curves = {
         "baseline": curve(),
         "noise": curve(0.03, phase=2.0),
+        "noise-ce": curve(0.01, phase=3.0),
         "dsflow": curve(0.01, phase=1.0),
         "zero1": {},
     }
@@ -142,10 +143,30 @@ def test_every_lever_is_judged_and_a_run_without_losses_disagrees(
     out = capsys.readouterr().out
     assert "dense: dsflow vs baseline agree" in out
     assert "dense: zero1 vs baseline DISAGREE" in out
-    assert "noise vs baseline" not in out
-    assert "warning: the noise run drifted" in out
+    assert "noise vs baseline" not in out and "noise-ce vs baseline" not in out
+    assert "warning: the noise runs drifted" in out
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]["dense"]
-    assert runs["noise"]["loss_agrees"] is None and runs["baseline"]["loss_agrees"] is None
+    assert all(runs[v]["loss_agrees"] is None for v in ("baseline", "noise", "noise-ce"))
+
+
+def test_the_noise_level_is_the_largest_difference_between_two_reference_runs(bench):
+    """One noise run can happen to round almost like the baseline; every pair of reference
+    runs is another draw of the noise, and the largest counts."""
+    base, close, far = curve(), curve(0.002, phase=2.0), curve(0.02, phase=3.0)
+    runs = {"baseline": {"loss": base}, "noise": {"loss": close}, "dsflow": {"loss": far}}
+    assert bench.noise_level({"baseline": {"loss": base}, "dsflow": {"loss": far}}) is None
+    assert bench.noise_level(runs) == bench.loss_agreement(base, close)
+    runs["noise-ce"] = {"loss": far}
+    level = bench.noise_level(runs)
+    # Three references, three draws (noise-ce vs noise counts too): the largest of each.
+    pairs = [bench.loss_agreement(a, b) for a, b in ((base, close), (base, far), (close, far))]
+    assert level == (max(d[0] for d in pairs), max(d[1] for d in pairs))
+    assert level[0] > bench.loss_agreement(base, close)[0]
+    # A run that drifts like noise-ce: outside the tolerance of the close noise run alone,
+    # inside the one of both.
+    run = bench.loss_agreement(base, curve(0.02, phase=4.0))
+    narrow, wide = bench.tolerance(bench.loss_agreement(base, close)), bench.tolerance(level)
+    assert run[0] > narrow[0] and run[0] <= wide[0] and run[1] <= wide[1]
 
 
 def test_without_a_baseline_nothing_is_judged(bench, monkeypatch, tmp_path, capsys):
