@@ -47,6 +47,8 @@ from pathlib import Path
 
 import yaml
 
+from dsflow.kernels import DEFAULT_CE_CHUNK
+
 SEQ, MICRO = 1024, 16
 CONFIGS = {
     # The `medium` preset (the 3 x 24 GB one), all dense and as published (MoE).
@@ -83,7 +85,7 @@ VARIANTS = {
 # chance (on one H200: MoE 0.23/0.50% where two rounding-only runs differed by up to 3.15%).
 NOISE = {
     "noise": {"attention": "flash_padded"},
-    "noise-ce": {"ce_chunk": 8192},
+    "noise-ce": {"ce_chunk": DEFAULT_CE_CHUNK},
 }
 for _name, _change in NOISE.items():
     VARIANTS[_name] = {"perf": {**VARIANTS["baseline"]["perf"], **_change}}

@@ -107,7 +107,7 @@ def resolve(
 
 
 def fused_grad_checks(
-    perf: dict, zero_stage: int, optimizer_offload: bool, cuda: bool = True, precision: str = "bf16"
+    perf: dict, zero_stage: int, optimizer_offload: bool, cuda: bool, precision: str
 ) -> bool:
     """On for CUDA where it fits and is tested (bf16/fp32); `true` insists, `false` never."""
     value = perf.get("fused_grad_checks", "auto")
