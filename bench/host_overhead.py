@@ -7,10 +7,10 @@ ops as the real model; widths divided by 16 so the arithmetic itself is small), 
 grouped_mm experts, DeepSpeed bf16 on its CPU accelerator, one gloo rank, dsflow's TrainingLM
 and expert balancer, eager (no torch.compile, which on the GPU fuses forward and backward ops).
 Per variant, in a fresh process each: host milliseconds per step for forward, backward and the
-optimizer step (median of --steps), and the number of aten ops dispatched per step in each phase (from
-torch.profiler: on CUDA each is a launch or at least a trip through the dispatcher). Then the
-ratio of each variant to the first. A proxy for the GPU host (other CPU, kernels launched
-instead of run), not a GPU measurement.
+optimizer step (median of --steps), and the number of aten ops dispatched per step in each
+phase (from torch.profiler: on CUDA each is a launch or at least a trip through the
+dispatcher). Then the ratio of each variant to the first. A proxy for the GPU host (other
+CPU, kernels launched instead of run), not a GPU measurement.
 
     python bench/host_overhead.py --configs dense,moe --variants deepspeed,fused-checks,zero1
 """

@@ -6,8 +6,9 @@ tensor, each launched from Python. After the overflow check's host sync the GPU 
 queued, so it idles while the host issues those launches (part of the ~40% of a 191M-parameter
 dense step that an H200 waits for the host, docs/performance.md). Both answers come from
 per-tensor L2 norms taken by one multi-tensor launch (`_foreach_norm`, fp32 accumulation): a
-norm is inf/NaN exactly when its tensor holds an inf/NaN. (GradScaler's `_amp_foreach_non_finite_check_and_unscale_` would be
-the elementwise test, but its CUDA kernel has no bf16 version in torch 2.11.)
+norm is inf/NaN exactly when its tensor holds an inf/NaN. (GradScaler's
+`_amp_foreach_non_finite_check_and_unscale_` would be the elementwise test, but its CUDA kernel
+has no bf16 version in torch 2.11.)
 
 What differs from DeepSpeed: the per-tensor norms accumulate in fp32 instead of fp64 (relative
 differences around 1e-7, far below what gradient clipping can see); a finite gradient so large
