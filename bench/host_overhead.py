@@ -31,6 +31,11 @@ VARIANTS = {
     "fused-checks": {"perf": {"fused_grad_checks": True}},
     "zero1": {"zero_stage": 1},
     "zero1-fused": {"zero_stage": 1, "perf": {"fused_grad_checks": True}},
+    "zero1-nohooks": {
+        "zero_stage": 1,
+        "zero": {"overlap_comm": False, "contiguous_gradients": False},
+        "perf": {"fused_grad_checks": True},
+    },
 }
 SHRUNK = {  # the medium preset's structure at 1/16 of its widths
     "hidden_size": 64,

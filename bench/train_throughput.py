@@ -77,7 +77,13 @@ VARIANTS = {
     "zero0": {"zero_stage": 0},
     "no-overlap": {"zero": {"overlap_comm": False}},
     "cudagraphs": {"perf": {"compile_mode": "reduce-overhead"}},
+    # ZeRO-1 without DeepSpeed's per-parameter gradient hooks (one rank: nothing to overlap)
+    "zero1-nohooks": {
+        "zero_stage": 1,
+        "zero": {"overlap_comm": False, "contiguous_gradients": False},
+    },
 }
+VARIANTS["zero1-nohooks-cg"] = {**VARIANTS["zero1-nohooks"], **VARIANTS["cudagraphs"]}
 # The noise references: the baseline with one exact change of kernel each (MLA's V zero-padded
 # so SDPA takes its flash kernel; the lm_head + cross-entropy in chunks: the same math, tested on
 # CPU, rounded differently). How far these curves drift from the baseline's and from each other
@@ -272,7 +278,7 @@ def main() -> int:
     for cname in args.configs.split(","):
         config = CONFIGS[cname]
         fpt = flops_per_token(config)
-        runs = {}
+        runs = results["runs"][cname] = {}
         for vname in args.variants.split(","):
             name = f"{cname}-{vname}"
             print(f"running {name} ...", flush=True)
@@ -291,6 +297,8 @@ def main() -> int:
                 f"data wait {100 * r['data_wait']:.2f}%, wall {r['wall_s']:.0f} s",
                 flush=True,
             )
+            # every finished run on disk at once: a call cut short by its time limit keeps them
+            (out / "results.json").write_text(json.dumps(results, indent=2))
         base = runs.get("baseline")
         if base:
             shown = [s for s in range(1, COMPARE_STEPS + 1) if s == 1 or s % 5 == 0]
@@ -308,7 +316,6 @@ def main() -> int:
                 (d is not None and d[0] <= tol[0] and d[1] <= tol[1]) if judged else None
             )
             rows.append((cname, vname, r, base))
-        results["runs"][cname] = runs
         results.setdefault("loss_tolerance", {})[cname] = {
             "mean": tol[0], "max_smoothed": tol[1], "from_noise_run": noise_d is not None,
             "noise": noise_d
