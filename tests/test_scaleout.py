@@ -41,18 +41,18 @@ def params(**train) -> dict:
 
 def test_zero3_config_has_the_stage3_knobs_and_offload_sections():
     t = params(zero_stage=3, offload={"optimizer": "cpu", "param": "cpu"})["train"]
-    z = dsconfig.zero_optimization(t, "cuda")
+    z = dsconfig.zero_optimization(t, "cuda", 3)
     assert z["stage"] == 3
     assert z["stage3_prefetch_bucket_size"] == t["zero"]["stage3_prefetch_bucket_size"]
     assert z["stage3_gather_16bit_weights_on_model_save"] is True
     assert z["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert z["offload_param"] == {"device": "cpu", "pin_memory": True}
     # No pinned memory on the CPU accelerator; no stage3_* keys below stage 3.
-    assert dsconfig.zero_optimization(t, "cpu")["offload_param"]["pin_memory"] is False
-    z2 = dsconfig.zero_optimization(params()["train"], "cuda")
+    assert dsconfig.zero_optimization(t, "cpu", 3)["offload_param"]["pin_memory"] is False
+    z2 = dsconfig.zero_optimization(params(zero_stage=2)["train"], "cuda", 3)
     assert not any(k.startswith("stage3_") or k.startswith("offload") for k in z2)
     nvme = params(zero_stage=3, offload={"optimizer": "nvme", "nvme_path": "/nvme"})["train"]
-    assert dsconfig.zero_optimization(nvme, "cuda")["offload_optimizer"]["nvme_path"] == "/nvme"
+    assert dsconfig.zero_optimization(nvme, "cuda", 3)["offload_optimizer"]["nvme_path"] == "/nvme"
     assert dsconfig.layout(t) == "ZeRO-3 + optimizer offload (cpu) + param offload (cpu)"
 
 
@@ -78,7 +78,7 @@ def test_zero3_config_has_the_stage3_knobs_and_offload_sections():
 )
 def test_offload_mistakes_fail_in_one_line_naming_the_key(train, device, key, says):
     with pytest.raises(UsageError) as exc:
-        dsconfig.zero_optimization(params(**train)["train"], device)
+        dsconfig.zero_optimization(params(**train)["train"], device, 3)
     msg = str(exc.value)
     assert "\n" not in msg and key in msg and says in msg
 
@@ -112,6 +112,32 @@ def test_auto_picks_the_cheapest_layout_that_fits():
         planner.auto_layout(medium, 3, "cuda", 2 * gb, host)
     msg = str(exc.value)
     assert "\n" not in msg and "train.zero_stage: auto" in msg and "cheapest fit:" in msg
+    # One GPU: nothing to partition, ZeRO-1 first (ZeRO-2's memory, no gradient hooks).
+    stage, *_, why = planner.auto_layout(medium, 1, "cuda", 80 * gb, host)
+    assert stage == 1 and "ZeRO-1 on one GPU" in why
+    assert planner.auto_layout(medium, 1, "cuda", 4 * gb, host)[:3] == (3, True, True)
+    assert planner.auto_layout(medium, 1, "cpu")[:3] == (2, False, False)
+
+
+def test_one_rank_at_zero_1_gets_no_gradient_hooks_by_default():
+    """overlap_comm / contiguous_gradients: auto are off only for one rank at ZeRO-0/1 (where
+    they make DeepSpeed hook every parameter's gradient for nothing); what is set stays set."""
+    hooks = dsconfig.gradient_hooks
+    auto = params()["train"]["zero"]
+    assert (auto["overlap_comm"], auto["contiguous_gradients"]) == ("auto", "auto")
+    assert hooks(auto, 1, 1, "cuda") == (False, False)
+    assert hooks(auto, 0, 1, "cuda") == (False, False)
+    assert hooks(auto, 2, 1, "cuda") == (True, True)
+    assert hooks(auto, 1, 3, "cuda") == (True, True)
+    assert hooks(auto, 2, 3, "cpu") == (False, True)  # no streams to overlap on the CPU
+    on = {"overlap_comm": True, "contiguous_gradients": True}
+    assert hooks(on, 1, 1, "cuda") == (True, True)
+    z = dsconfig.build(params(zero_stage=1)["train"], dsconfig.Batch(2, 1, 1), 10, "cuda")
+    assert not z["zero_optimization"]["overlap_comm"]
+    assert not z["zero_optimization"]["contiguous_gradients"]
+    with pytest.raises(UsageError) as exc:
+        params(zero={"overlap_comm": "yes"})
+    assert "train.zero.overlap_comm" in str(exc.value)
 
 
 # One rank, two micro-steps per step: how often the engine waits for the device in 5 steps,
@@ -151,7 +177,7 @@ def test_the_engine_does_not_wait_for_the_device_at_each_micro_step(tmp_path):
     off (the train stage times whole steps itself)."""
     from dsflow.launch import free_port
 
-    cfg = dsconfig.build(params()["train"], dsconfig.Batch(2, 2, 1), 10, "cpu")
+    cfg = dsconfig.build(params(zero_stage=2)["train"], dsconfig.Batch(2, 2, 1), 10, "cpu")
     env = {
         **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
@@ -165,6 +191,59 @@ def test_the_engine_does_not_wait_for_the_device_at_each_micro_step(tmp_path):
     waits = json.loads(proc.stdout.strip().splitlines()[-1])
     # The timer starts at step 3: 3 timed steps x 2 micro-steps x (forward + step).
     assert waits == {"default": 12, "dsflow": 0}
+
+
+# One rank: DeepSpeed's gradient hooks under dsflow's config at ZeRO-1 and ZeRO-2, and the
+# losses of the same 6 bf16 steps with each.
+HOOKS_SCRIPT = """
+import json, sys
+import torch, deepspeed
+deepspeed.init_distributed(dist_backend="gloo")
+out = {}
+for stage, config in json.loads(sys.argv[1]).items():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(6):
+        x = torch.randn(4, 16, generator=g).to(torch.bfloat16)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out[stage] = {"hooks": len(engine.optimizer._grad_acc_hooks), "losses": losses}
+print(json.dumps(out))
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_zero_1_on_one_rank_trains_like_zero_2_without_gradient_hooks(tmp_path):
+    """What train.zero_stage: auto picks on one GPU: ZeRO-1 with dsflow's default hooks setting
+    installs no per-parameter gradient hook, and takes the same steps as ZeRO-2 does."""
+    from dsflow.launch import free_port
+
+    cfgs = {
+        stage: dsconfig.build(
+            params(zero_stage=stage, precision="bf16")["train"], dsconfig.Batch(4, 1, 1), 6, "cpu"
+        )
+        for stage in (1, 2)
+    }
+    env = {
+        **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+        "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+    }  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", HOOKS_SCRIPT, json.dumps(cfgs)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["1"]["hooks"] == 0 and runs["2"]["hooks"] == 4  # one per parameter tensor
+    assert runs["1"]["losses"] == runs["2"]["losses"]
+    assert len(set(runs["1"]["losses"])) == 6  # it trained
 
 
 # --------------------------------------------------------------------------- checkpoints
