@@ -25,15 +25,17 @@ import subprocess
 import sys
 import time
 
-# Overlays on the train section, as in bench/train_throughput.py.
+# Overlays on the train section (ZeRO-2 unless a variant says otherwise), as in
+# bench/train_throughput.py. ZeRO-1 on this one rank gets no per-parameter gradient hooks
+# (train.zero's auto); zero1-hooks turns them back on.
 VARIANTS = {
     "deepspeed": {},
     "fused-checks": {"perf": {"fused_grad_checks": True}},
     "zero1": {"zero_stage": 1},
     "zero1-fused": {"zero_stage": 1, "perf": {"fused_grad_checks": True}},
-    "zero1-nohooks": {
+    "zero1-hooks": {
         "zero_stage": 1,
-        "zero": {"overlap_comm": False, "contiguous_gradients": False},
+        "zero": {"contiguous_gradients": True},
         "perf": {"fused_grad_checks": True},
     },
 }
@@ -66,7 +68,7 @@ def measure(config: str, variant: str, steps: int) -> dict:
     from dsflow.worker import count_within
 
     deepspeed.init_distributed(dist_backend="gloo")
-    train = deep_merge(load("params.yaml")["train"], VARIANTS[variant])
+    train = deep_merge(load("params.yaml")["train"], {"zero_stage": 2, **VARIANTS[variant]})
     train["precision"] = "bf16"
     overrides = dict(SHRUNK, **({"first_k_dense_replace": 16} if config == "dense" else {}))
     torch.manual_seed(0)

@@ -137,12 +137,12 @@ def test_every_lever_is_judged_and_a_run_without_losses_disagrees(
         "noise": curve(0.03, phase=2.0),
         "noise-ce": curve(0.01, phase=3.0),
         "dsflow": curve(0.01, phase=1.0),
-        "zero2": {},
+        "zero1": {},
     }
     assert run_bench(bench, monkeypatch, tmp_path, curves, ",".join(curves)) == 1
     out = capsys.readouterr().out
     assert "dense: dsflow vs baseline agree" in out
-    assert "dense: zero2 vs baseline DISAGREE" in out
+    assert "dense: zero1 vs baseline DISAGREE" in out
     assert "noise vs baseline" not in out and "noise-ce vs baseline" not in out
     assert "warning: the noise runs drifted" in out
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]["dense"]
@@ -170,6 +170,6 @@ def test_the_noise_level_is_the_largest_difference_between_two_reference_runs(be
 
 
 def test_without_a_baseline_nothing_is_judged(bench, monkeypatch, tmp_path, capsys):
-    curves = {"dsflow": curve(), "zero2": curve()}
-    assert run_bench(bench, monkeypatch, tmp_path, curves, "dsflow,zero2") == 0
+    curves = {"dsflow": curve(), "zero1": curve()}
+    assert run_bench(bench, monkeypatch, tmp_path, curves, "dsflow,zero1") == 0
     assert "dense: losses not compared" in capsys.readouterr().out

@@ -112,11 +112,6 @@ def test_auto_picks_the_cheapest_layout_that_fits():
         planner.auto_layout(medium, 3, "cuda", 2 * gb, host)
     msg = str(exc.value)
     assert "\n" not in msg and "train.zero_stage: auto" in msg and "cheapest fit:" in msg
-    # One GPU: nothing to partition, ZeRO-1 first (ZeRO-2's memory, no gradient hooks).
-    stage, *_, why = planner.auto_layout(medium, 1, "cuda", 80 * gb, host)
-    assert stage == 1 and "ZeRO-1 on one GPU" in why
-    assert planner.auto_layout(medium, 1, "cuda", 4 * gb, host)[:3] == (3, True, True)
-    assert planner.auto_layout(medium, 1, "cpu")[:3] == (2, False, False)
 
 
 def test_one_rank_at_zero_1_gets_no_gradient_hooks_by_default():
@@ -138,6 +133,11 @@ def test_one_rank_at_zero_1_gets_no_gradient_hooks_by_default():
     with pytest.raises(UsageError) as exc:
         params(zero={"overlap_comm": "yes"})
     assert "train.zero.overlap_comm" in str(exc.value)
+    # The planner counts the reduce buckets DeepSpeed will double-buffer, or not.
+    from dsflow import plan as planner
+
+    assert not planner.resolve(params(zero_stage=1), None, world=1).overlap_comm
+    assert planner.resolve(params(zero_stage=2), None, world=1).overlap_comm
 
 
 # One rank, two micro-steps per step: how often the engine waits for the device in 5 steps,
@@ -220,8 +220,8 @@ torch.distributed.destroy_process_group()
 
 
 def test_zero_1_on_one_rank_trains_like_zero_2_without_gradient_hooks(tmp_path):
-    """What train.zero_stage: auto picks on one GPU: ZeRO-1 with dsflow's default hooks setting
-    installs no per-parameter gradient hook, and takes the same steps as ZeRO-2 does."""
+    """ZeRO-1 on one rank, with train.zero's defaults, installs no per-parameter gradient hook
+    and takes the same steps as ZeRO-2 does."""
     from dsflow.launch import free_port
 
     cfgs = {

@@ -1080,11 +1080,11 @@ def resolve(
         accum = train["grad_accum"] or 1
     zero = _arg(args, "zero")
     if zero is None and train["zero_stage"] == "auto":
-        zero = first_layout(world)[0]
         notes.append(
-            f"train.zero_stage: auto: planned as ZeRO-{zero}; the train stage picks the cheapest "
+            "train.zero_stage: auto: planned as ZeRO-2; the train stage picks the cheapest "
             "layout that fits (see cheapest fit)"
         )
+        zero = 2
     zero = int(train["zero_stage"] if zero is None else zero)
     precision = _arg(args, "precision") or train["precision"]
     offload = train.get("offload") or {}
@@ -1299,15 +1299,6 @@ def run(params: dict, args: Any = None) -> None:
         f.write("\n")
 
 
-def first_layout(world: int) -> tuple[int, str]:
-    """The ZeRO stage `auto` tries first on `world` GPUs, and why (empty: nothing to say). One
-    GPU has nothing to partition, so ZeRO-1 holds what ZeRO-2 does, and on one rank it runs
-    without DeepSpeed's per-parameter gradient hooks (dsconfig.gradient_hooks)."""
-    if world == 1:
-        return 1, "; ZeRO-1 on one GPU: the memory of ZeRO-2, no per-parameter gradient hooks"
-    return 2, ""
-
-
 def auto_layout(
     params: dict,
     world: int,
@@ -1316,10 +1307,9 @@ def auto_layout(
     host_mem_bytes: int | None = None,
 ) -> tuple[int, bool, bool, str]:
     """`train.zero_stage: auto`: (stage, offload optimizer, offload params, why) of the first
-    memory layout that fits GPU (and host) memory, in cost order ZeRO-2 (ZeRO-1 on one GPU:
-    first_layout), ZeRO-3, + optimizer offload, + parameter offload, at the configured micro
-    batch (offload asked for in train.offload is kept). On CPU there is nothing to fit: ZeRO-2
-    (the CPU accelerator has no streams to save hooks' time for). When nothing fits, a
+    memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
+    offload, + parameter offload, at the configured micro batch (offload asked for in
+    train.offload is kept). On CPU there is nothing to fit: ZeRO-2. When nothing fits, a
     UsageError names the cheapest strategy that would (smaller micro batch, checkpointing, a
     smaller preset). Host RAM: `host_mem_bytes`, else this machine's."""
     offload = params["train"].get("offload") or {}
@@ -1328,14 +1318,13 @@ def auto_layout(
     if device_type != "cuda":
         stage = 3 if want_par else 2
         return stage, want_opt, want_par, "a CPU run: no GPU memory to fit, the fewest collectives"
-    first, first_why = first_layout(world)
     pinned = copy.deepcopy(params)
-    pinned["train"]["zero_stage"] = first
+    pinned["train"]["zero_stage"] = 2
     req = resolve(pinned, None, world=world, gpu_mem_bytes=gpu_mem_bytes)
     if req.gpu_mem_bytes is None:
-        return first, want_opt, want_par, f"GPU memory unknown: ZeRO-{first}{first_why}"
+        return 2, want_opt, want_par, "GPU memory unknown: ZeRO-2"
     host = host_mem_bytes if host_mem_bytes is not None else host_memory_bytes()
-    layouts = [(first, False, False), (3, False, False), (3, True, False), (3, True, True)]
+    layouts = [(2, False, False), (3, False, False), (3, True, False), (3, True, True)]
     reason = ""
     for z, o, p in layouts:
         if (want_opt and not o) or (want_par and not p):
@@ -1346,8 +1335,7 @@ def auto_layout(
         fits, reason = verdict(est, req.gpu_mem_bytes, host)
         if fits:
             gb = f"{_gb(est['gpu']['total']):.1f} of {_gb(req.gpu_mem_bytes):.1f} GB per GPU"
-            why = first_why if (z, o, p) == layouts[0] else ""
-            return z, o, p, f"the planner's cheapest fit: {gb}{why}"
+            return z, o, p, f"the planner's cheapest fit: {gb}"
     rows = cheapest_fit(
         req.config,
         gpu_mem_bytes=req.gpu_mem_bytes,

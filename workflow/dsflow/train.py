@@ -296,9 +296,8 @@ def check_layout(root: Path, plan: dict) -> None:
 
 
 def resolve_zero(params: dict, world: int, device: str) -> dict:
-    """`train.zero_stage: auto`: the cheapest memory layout the planner says fits (ZeRO-2, or
-    ZeRO-1 on one GPU, then ZeRO-3, then CPU offload of the optimizer, then of the parameters);
-    params with it set."""
+    """`train.zero_stage: auto`: the cheapest memory layout the planner says fits (ZeRO-2, then
+    ZeRO-3, then CPU offload of the optimizer, then of the parameters); params with it set."""
     if params["train"]["zero_stage"] != "auto":
         return params
     from dsflow import plan as planner
