@@ -140,6 +140,24 @@ def test_one_rank_at_zero_1_gets_no_gradient_hooks_by_default():
     assert planner.resolve(params(zero_stage=2), None, world=1).overlap_comm
 
 
+def one_rank(script: str, arg, cwd: Path):
+    """Run `script` as a 1-rank gloo world on DeepSpeed's CPU accelerator, with `arg` as JSON in
+    argv[1]; the JSON its last output line prints."""
+    from dsflow.launch import free_port
+
+    env = {
+        **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+        "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+    }  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(arg)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=cwd,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 # One rank, two micro-steps per step: how often the engine waits for the device in 5 steps,
 # with DeepSpeed's default timers and with dsflow's config.
 SYNC_SCRIPT = """
@@ -175,20 +193,8 @@ def test_the_engine_does_not_wait_for_the_device_at_each_micro_step(tmp_path):
     """DeepSpeed's throughput timer synchronizes the device at every micro-step's forward and
     step; after each the GPU idles until the host queues work again. dsflow's config turns it
     off (the train stage times whole steps itself)."""
-    from dsflow.launch import free_port
-
     cfg = dsconfig.build(params(zero_stage=2)["train"], dsconfig.Batch(2, 2, 1), 10, "cpu")
-    env = {
-        **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-        "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-    }  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-c", SYNC_SCRIPT, json.dumps(cfg)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    waits = json.loads(proc.stdout.strip().splitlines()[-1])
+    waits = one_rank(SYNC_SCRIPT, cfg, tmp_path)
     # The timer starts at step 3: 3 timed steps x 2 micro-steps x (forward + step).
     assert waits == {"default": 12, "dsflow": 0}
 
@@ -222,25 +228,13 @@ torch.distributed.destroy_process_group()
 def test_zero_1_on_one_rank_trains_like_zero_2_without_gradient_hooks(tmp_path):
     """ZeRO-1 on one rank, with train.zero's defaults, installs no per-parameter gradient hook
     and takes the same steps as ZeRO-2 does."""
-    from dsflow.launch import free_port
-
     cfgs = {
         stage: dsconfig.build(
             params(zero_stage=stage, precision="bf16")["train"], dsconfig.Batch(4, 1, 1), 6, "cpu"
         )
         for stage in (1, 2)
     }
-    env = {
-        **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-        "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-    }  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-c", HOOKS_SCRIPT, json.dumps(cfgs)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs = one_rank(HOOKS_SCRIPT, cfgs, tmp_path)
     assert runs["1"]["hooks"] == 0 and runs["2"]["hooks"] == 4  # one per parameter tensor
     assert runs["1"]["losses"] == runs["2"]["losses"]
     assert len(set(runs["1"]["losses"])) == 6  # it trained
