@@ -380,12 +380,17 @@ def test_real_full_disk_while_saving(prepared, baseline, tmp_path):
         subprocess.run(["umount", "-l", str(root)], capture_output=True)
 
 
+# The child writes by rename, so the test never reads a file that exists but is still empty
+# (CI once read '' between the open and the write), and says when its handler is in place.
 CHILD = """
-import signal, sys, time
+import os, signal, sys, time
 def bye(signum, frame):
-    open(sys.argv[1], "w").write("SIGTERM")
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write("SIGTERM")
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
     sys.exit(0)
 signal.signal(signal.SIGTERM, bye)
+open(sys.argv[1] + ".ready", "w").close()
 time.sleep(60)
 """
 STAGE = """
@@ -410,7 +415,7 @@ def test_a_killed_stage_takes_its_launcher_down(tmp_path):
     )
     child = int(stage.stdout.readline())
     assert os.getpgid(child) != os.getpgid(stage.pid)  # Ctrl-C in a terminal reaches the stage only
-    time.sleep(0.5)  # let the child install its handler
+    wait_for(Path(f"{got}.ready").exists, 10, "the launcher's SIGTERM handler")
     stage.kill()
     stage.wait()
     wait_for(got.exists, 10, "the launcher's SIGTERM")
