@@ -16,9 +16,11 @@ pytestmark = pytest.mark.slow
 
 CLUSTER = {"train": {"device": "cuda", "gpus": 4, "nodes": 2}}
 
+# sbatch.args appears by rename, last, so a test that sees it reads both files complete.
 FAKE_SBATCH = """#!/bin/sh
-printf '%s\\n' "$@" > "$FAKE_SLURM/sbatch.args"
+printf '%s\\n' "$@" > "$FAKE_SLURM/sbatch.args.tmp"
 cat > "$FAKE_SLURM/sbatch.stdin"
+mv "$FAKE_SLURM/sbatch.args.tmp" "$FAKE_SLURM/sbatch.args"
 echo 4242
 """
 FAKE_SACCTMGR = "#!/bin/sh\necho my-account\n"  # the account check of the executor plugin
@@ -58,7 +60,6 @@ def submit(repo, env, tmp_path, timeout=240) -> list[str]:
     try:
         while not args.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
-        time.sleep(0.5)  # let the stand-in finish writing
     finally:
         if proc.poll() is None:  # it now waits for the job to finish: stop it
             os.killpg(proc.pid, signal.SIGKILL)
