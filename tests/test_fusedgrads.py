@@ -53,9 +53,17 @@ RANK_SCRIPT = textwrap.dedent(
 
     plain = verdicts()
     assert fusedgrads.install(opt)
+    launches = []
+    foreach_norm = torch._foreach_norm
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return foreach_norm(*args, **kwargs)
+    torch._foreach_norm = counted
     fused = verdicts()
+    torch._foreach_norm = foreach_norm
     # An inf on rank 1 only (every rank must see it), then a NaN on rank 2 only.
-    results = {"plain": plain, "fused": fused, "bad": {}}
+    results = {"plain": plain, "fused": fused, "bad": {}, "stale": {},
+               "launches": len(launches), "groups": len(opt.bit16_groups)}
     for value, bad_rank in (("inf", 1 % world), ("nan", 2 % world)):
         grads = opt.averaged_gradients[0]  # this rank's share of each gradient, in order
         if rank == bad_rank:
@@ -66,6 +74,13 @@ RANK_SCRIPT = textwrap.dedent(
             setattr(opt, name, getattr(DeepSpeedZeroOptimizer, name).__get__(opt))
         results["bad"][value] += [bool(opt.has_overflow()), float(opt.scaled_global_norm())]
         fusedgrads.install(opt)
+        if rank == bad_rank:
+            grads[0].flatten()[0] = keep
+        # A gradient written after the check: the norm must not come from the check's norms.
+        opt.has_overflow()
+        if rank == bad_rank:
+            grads[0].flatten()[0] = float(value)
+        results["stale"][value] = float(opt.scaled_global_norm())
         if rank == bad_rank:
             grads[0].flatten()[0] = keep
     results["after"] = verdicts()
@@ -112,6 +127,10 @@ def test_fused_checks_match_deepspeed(stage, precision, device, tmp_path):
     # global norm as invalid (DeepSpeed's -1 per group, inf combined; fused first, then its own).
     inf = float("inf")
     assert r["bad"] == {"inf": [True, inf, True, inf], "nan": [True, inf, True, inf]}
+    # The norm reuses the check's per-tensor norms (one launch per group a step, not two)...
+    assert r["launches"] == r["groups"]
+    # ... but not once a gradient has changed since the check.
+    assert r["stale"] == {"inf": inf, "nan": inf}
     # The checks leave the gradients as they were.
     assert r["after"] == [False, pytest.approx(r["plain"][1], rel=1e-6)]
 

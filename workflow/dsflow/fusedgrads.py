@@ -13,8 +13,10 @@ has no bf16 version in torch 2.11.)
 What differs from DeepSpeed: the per-tensor norms accumulate in fp32 instead of fp64 (relative
 differences around 1e-7, far below what gradient clipping can see); a finite gradient so large
 that its squares overflow fp32 (~1e19) makes the check report an overflow, and DeepSpeed skips
-that step too (its fp64 norm becomes inf when cast to fp32). The check and the norm each take
-one `_foreach_norm` per parameter group. Installed only where the result is the same quantity:
+that step too (its fp64 norm becomes inf when cast to fp32). The check takes one `_foreach_norm`
+per parameter group, and the gradient norm that DeepSpeed asks for next reuses those per-tensor
+norms while the gradients are the same tensors, unmodified (each tensor's version counter), so
+a step reads its gradients once. Installed only where the result is the same quantity:
 no CPU offload (which keeps its own per-parameter norms), no model or pipeline parallelism
 (whose parameter filters are skipped here), L2 norms.
 """
@@ -22,6 +24,7 @@ no CPU offload (which keeps its own per-parameter norms), no model or pipeline p
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 
@@ -41,7 +44,32 @@ def install(optimizer) -> bool:
             return False
     optimizer.has_overflow_partitioned_grads_serial = types.MethodType(_has_overflow, optimizer)
     optimizer.get_grad_norm_direct = types.MethodType(_grad_norm, optimizer)
+    optimizer._dsflow_norms = _NormCache()
     return True
+
+
+class _NormCache:
+    """The per-tensor norms of the last overflow check, for the gradient norm of the same step.
+    Weak references, so a skipped step (overflow: no norm follows) keeps no gradient alive."""
+
+    def __init__(self):
+        self._groups: list[tuple[list[weakref.ref], list[int], list[torch.Tensor]]] = []
+
+    def clear(self) -> None:
+        self._groups = []
+
+    def put(self, grads: list[torch.Tensor], norms: list[torch.Tensor]) -> None:
+        self._groups.append(([weakref.ref(g) for g in grads], [g._version for g in grads], norms))
+
+    def get(self, grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The norms of ``grads`` (a group, or its leading part) if none changed since put."""
+        for refs, versions, norms in self._groups:
+            if len(grads) <= len(refs) and all(
+                ref() is g and g._version == version
+                for ref, version, g in zip(refs, versions, grads, strict=False)
+            ):
+                return norms[: len(grads)]
+        return None
 
 
 def _grads(gradients) -> list[torch.Tensor]:
@@ -53,11 +81,13 @@ def _has_overflow(self) -> torch.Tensor:
     """Any inf/NaN in this rank's gradient partition, as a [1] bool tensor on the device."""
     from deepspeed.accelerator import get_accelerator
 
-    norms = [
-        norm
-        for i in range(len(self.bit16_groups))
-        for norm in _norms(_grads(self.averaged_gradients[i]))
-    ]
+    self._dsflow_norms.clear()
+    norms = []
+    for i in range(len(self.bit16_groups)):
+        grads = _grads(self.averaged_gradients[i])
+        group = _norms(grads)
+        self._dsflow_norms.put(grads, group)
+        norms += group
     if not norms:
         return torch.zeros(1, dtype=torch.bool, device=get_accelerator().current_device_name())
     return (~torch.isfinite(torch.stack(norms))).any().reshape(1)
@@ -80,7 +110,10 @@ def _grad_norm(self, gradients, params, norm_type=2):
         return DeepSpeedZeroOptimizer.get_grad_norm_direct(self, gradients, params, norm_type)
     # Paired with the parameters as DeepSpeed does: that drops the unmarked zeros it appends
     # to fill the last rank's partition.
-    norms = _norms([g for g, _ in zip(_grads(gradients), params, strict=False)])
+    grads = [g for g, _ in zip(_grads(gradients), params, strict=False)]
+    norms = self._dsflow_norms.get(grads)
+    if norms is None:
+        norms = _norms(grads)
     if norms:
         total = torch.stack(norms).double().pow(2).sum().float()
     else:
