@@ -35,7 +35,7 @@ VARIANTS = {
     "zero1-fused": {"zero_stage": 1, "perf": {"fused_grad_checks": True}},
     "zero1-hooks": {
         "zero_stage": 1,
-        "zero": {"contiguous_gradients": True},
+        "zero": {"overlap_comm": True, "contiguous_gradients": True},
         "perf": {"fused_grad_checks": True},
     },
 }
