@@ -13,7 +13,9 @@ bf16, the same data, seed, batch and sequence length) twice:
   `no-fused-ce`, `no-prefetch`, `no-fused-checks`) to see what each gives, an opt-in one on
   (`cudagraphs`), ZeRO stage 1 or 0 (`zero1`, `zero0`: one GPU has nothing to partition;
   `zero1` without DeepSpeed's per-parameter gradient hooks, as train.zero's auto has it on one
-  rank, `zero1-hooks` with them) or DeepSpeed's overlap_comm off (`no-overlap`).
+  rank, `zero1-hooks` with them) or DeepSpeed's overlap_comm off (`no-overlap`); the MoE
+  levers not on by default: `sorted-experts` (train.perf.experts: sorted), `compiled-hooks`
+  (train.perf.compile_router_hooks) and both (`sorted-compiled-hooks`).
 
 - noise, noise-ce: the baseline with one exact change of kernel each (flash attention on
   zero-padded V; the chunked lm_head + cross-entropy), which measure bf16 noise: how far curves
@@ -65,6 +67,7 @@ VARIANTS = {
             "ce_chunk": 0,
             "prefetch": False,
             "fused_grad_checks": False,
+            "experts": "hf",
         }
     },
     "dsflow": {},
@@ -74,6 +77,9 @@ VARIANTS = {
     "no-fused-ce": {"perf": {"ce_chunk": 0}},
     "no-prefetch": {"perf": {"prefetch": False}},
     "no-fused-checks": {"perf": {"fused_grad_checks": False}},
+    "sorted-experts": {"perf": {"experts": "sorted"}},
+    "compiled-hooks": {"perf": {"compile_router_hooks": True}},
+    "sorted-compiled-hooks": {"perf": {"experts": "sorted", "compile_router_hooks": True}},
     # ZeRO-1 on one rank: train.zero's auto leaves out DeepSpeed's per-parameter gradient hooks
     "zero1": {"zero_stage": 1},
     "zero1-hooks": {"zero_stage": 1, "zero": {"overlap_comm": True, "contiguous_gradients": True}},

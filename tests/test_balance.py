@@ -111,6 +111,38 @@ def test_collecting_counts_in_eval_separately():
     assert bal.eval_stats()["max_over_mean"] is None  # reset
 
 
+def test_traced_hooks_count_collect_and_stash_like_the_eager_ones():
+    """The hooks torch.compile may trace (train.perf.compile_router_hooks), run here as plain
+    Python: the same training counts, eval counts, aux loss and resets as the eager hooks,
+    with two forwards per aux_loss call."""
+    results = []
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    for traced in (False, True):
+        model = _tiny(vocab=256)
+        bal = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
+        if traced:
+            bal.trace_hooks("cpu")
+        model.train()
+        model(ids)
+        model(ids.flip(0))
+        aux = bal.aux_loss()
+        counts = bal.counts()
+        model.eval()
+        with torch.no_grad(), bal.collecting():
+            model(ids)
+        eval_tokens = [s["tokens"] for s in bal.eval_stats()["layers"].values()]
+        model.train()
+        model(ids)
+        bal.reset()
+        results.append((aux.detach(), counts, eval_tokens, bal.counts(), bal.aux_loss()))
+    (aux_e, counts_e, eval_e, reset_e, left_e), (aux_t, counts_t, eval_t, reset_t, left_t) = results
+    torch.testing.assert_close(aux_t, aux_e, rtol=1e-6, atol=0)
+    assert aux_e > 0 and torch.equal(counts_t, counts_e)
+    assert counts_e.sum() == 3 * 2 * 2 * 16 * 2  # 3 MoE layers, 2 forwards of 2 x 16, top-2
+    assert eval_t == eval_e == [2 * 16 * 2] * 3
+    assert reset_t.sum() == reset_e.sum() == 0 and left_t.item() == left_e.item() == 0.0
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing_recompute_is_not_counted(reentrant):
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

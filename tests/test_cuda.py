@@ -29,10 +29,11 @@ PLAIN = {
     "ce_chunk": 0,
     "prefetch": False,
     "fused_grad_checks": False,
+    "experts": "hf",
 }
 # Every CUDA fast path at once, the opt-in ones included: CUDA graphs around each compiled
 # layer, flash attention on padded V, the fused loss (a chunk that does not divide the batch),
-# pinned prefetch, fused gradient checks.
+# pinned prefetch, fused gradient checks, the sorted experts, router hooks in the graphs.
 FAST = {
     "compile": True,
     "compile_mode": "reduce-overhead",
@@ -40,6 +41,8 @@ FAST = {
     "ce_chunk": 37,
     "prefetch": True,
     "fused_grad_checks": True,
+    "experts": "sorted",
+    "compile_router_hooks": True,
 }
 
 

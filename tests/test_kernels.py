@@ -122,6 +122,29 @@ def test_fused_cross_entropy_takes_a_loss_scale_beyond_the_16_bit_range():
     assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sorted_experts_match_hf_grouped_mm(dtype):
+    """The sorted experts (gather-only permutation backward) against HF's grouped_mm experts,
+    eager, bf16 as on the GPU and fp32: the same loss, and gradients for every parameter (the
+    routers' through the routing weights, the embeddings' through the dispatch)."""
+    hf = tiny(moe_intermediate_size=16).to(dtype)  # grouped_mm wants 16-byte strides
+    hf.set_experts_implementation("grouped_mm")
+    ours = copy.deepcopy(hf)
+    kernels.use_experts(ours, "sorted")
+    assert ours.config._experts_implementation == kernels.SORTED_EXPERTS
+    inputs, targets = batch(size=3)
+    losses = []
+    for model in (hf, ours):
+        loss = TrainingLM(model)(inputs, targets)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)  # same forward
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)
+    for (name, p), q in zip(hf.named_parameters(), ours.parameters(), strict=True):
+        assert q.grad is not None and q.grad.abs().sum() > 0, name
+        torch.testing.assert_close(q.grad.float(), p.grad.float(), **tol, msg=name)
+
+
 def test_training_module_is_the_hf_model_with_a_loss_forward():
     model = tiny()
     inputs, targets = batch()
@@ -138,18 +161,30 @@ def test_training_module_is_the_hf_model_with_a_loss_forward():
 
 @pytest.mark.slow
 def test_compiled_layers_train_like_eager_layers():
-    """torch.compile of every decoder layer: same loss, gradients, expert counts and sequence-wise
-    aux loss (the balancer's router hook stays eager, between the compiled graphs)."""
+    """torch.compile of every decoder layer, the balancer's router hook traced into it (one
+    graph per layer, no graph break) and the sorted experts: same loss, gradients, expert
+    counts and sequence-wise aux loss as eager with HF's experts."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     eager = tiny()
+    eager.set_experts_implementation("grouped_mm")  # the reference on the GPU
     compiled = copy.deepcopy(eager)
     inputs, targets = batch()
     runs = []
+    torch._dynamo.reset()
+    counters.clear()
     for model, perf in (
         (eager, kernels.Perf(False, "sdpa", 0, False)),
-        (compiled, kernels.Perf(True, "flash_padded", 16, False)),
+        (
+            compiled,
+            kernels.Perf(
+                True, "flash_padded", 16, False, experts="sorted", compile_router_hooks=True
+            ),
+        ),
     ):
         balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
-        kernels.apply(model, perf)
+        kernels.apply(model, perf, balancer)
         trainee = TrainingLM(model, ce_chunk=perf.ce_chunk)
         for _ in range(2):  # the second call runs the cached graphs
             model.zero_grad(set_to_none=True)
@@ -158,6 +193,11 @@ def test_compiled_layers_train_like_eager_layers():
             aux = balancer.aux_loss()
             (loss + aux).backward()
         runs.append((loss.detach(), aux.detach(), balancer.counts(), model))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # One graph per layer kind, shared by its layers (the tiny preset: 1 dense + 3 MoE), and
+    # the final norm's: a per-layer constant in the hooks would compile each MoE layer anew.
+    assert counters["stats"]["unique_graphs"] == 3
+    assert compiled.config._experts_implementation == kernels.SORTED_EXPERTS
     (loss_e, aux_e, counts_e, _), (loss_c, aux_c, counts_c, _) = runs
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(aux_c, aux_e, rtol=1e-5, atol=1e-7)

@@ -129,6 +129,7 @@ class ExpertBalancer:
         self._collecting = False
         self._aux: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (logits, top-k, batch)
         self._warned_no_grad = False
+        self._traced = False
         for _, router in self.routers:
             bias = router.e_score_correction_bias
             if bias.dtype != torch.float32:
@@ -140,13 +141,53 @@ class ExpertBalancer:
 
     # ------------------------------------------------------------------ hooks
     def _make_hook(self, index: int):
-        # Bookkeeping in Python objects: under torch.compile (train.perf.compile) it must run
-        # eagerly, between the compiled graphs, not be traced into them.
+        # Runs eagerly, between the compiled graphs (train.perf.compile): it asks the autograd
+        # engine whether this forward is a recomputation, which torch.compile cannot trace.
         @torch.compiler.disable
         def hook(module, args, kwargs, output):
             self._on_route(index, module, args, kwargs, output)
 
         return hook
+
+    def trace_hooks(self, device: torch.device | str) -> None:
+        """Let torch.compile trace the router hooks into the compiled layers: an eager hook
+        splits every MoE layer into several graphs, each with its own host overhead in forward
+        and backward. Only where no forward is recomputed in a backward pass (no activation
+        checkpointing): a traced hook cannot tell a recomputation apart. Training counts live
+        on `device` from now on, so tracing never allocates them."""
+        self._traced = True
+        self._buffer("_counts", torch.device(device))
+        for handle in self._handles:
+            handle.remove()
+
+        # One hook object for every router, and each router's counts row a tensor attribute
+        # of its own: no per-layer Python constant, so the MoE layers share one compiled graph.
+        def hook(module, args, kwargs, output):
+            router_logits, _, topk_indices = output
+            if self._collecting:
+                self._on_route(module._dsflow_index, module, args, kwargs, output)
+                return
+            if module.training:
+                with torch.no_grad():
+                    # A compare-and-sum, which compiles into one reduction; an integer
+                    # index_add_ would fall back to a sort-based scatter kernel.
+                    chosen = topk_indices.reshape(-1, 1)
+                    experts = torch.arange(self.n_experts, device=chosen.device)
+                    module._dsflow_counts.add_((chosen == experts).sum(0))
+            self._stash_aux(module, args, kwargs, router_logits, topk_indices)
+
+        for i, (_, router) in enumerate(self.routers):
+            router._dsflow_index = i
+            router._dsflow_aux = []
+        self._point_rows()
+        self._handles = [
+            router.register_forward_hook(hook, with_kwargs=True) for _, router in self.routers
+        ]
+
+    def _point_rows(self) -> None:
+        if self._traced:
+            for i, (_, router) in enumerate(self.routers):
+                router._dsflow_counts = self._counts[i]
 
     def _buffer(self, which: str, device: torch.device) -> torch.Tensor:
         buf = getattr(self, which)
@@ -156,6 +197,8 @@ class ExpertBalancer:
                 new += buf.to(device)
             setattr(self, which, new)
             buf = new
+            if which == "_counts":
+                self._point_rows()  # traced hooks add into views of the counts
         return buf
 
     def _on_route(self, index, module, args, kwargs, output) -> None:
@@ -172,6 +215,9 @@ class ExpertBalancer:
                 chosen = topk_indices.reshape(-1)
                 row = self._buffer(which, chosen.device)[index]
                 row.index_add_(0, chosen, torch.ones_like(chosen, dtype=row.dtype))
+        self._stash_aux(module, args, kwargs, router_logits, topk_indices)
+
+    def _stash_aux(self, module, args, kwargs, router_logits, topk_indices) -> None:
         if self.seq_aux_alpha > 0 and module.training:
             if not (torch.is_grad_enabled() and router_logits.requires_grad):
                 if self._warned_no_grad:
@@ -189,7 +235,10 @@ class ExpertBalancer:
             # Only stash: computing the loss here, inside an activation-checkpointed region,
             # would save tensors that the (skipped) recomputation does not, and the
             # non-reentrant checkpoint checks that the two match.
-            self._aux.append((router_logits, topk_indices, batch))
+            # Traced hooks stash per router: a list shared by the layers would have another
+            # length in each, and torch.compile would compile every layer separately.
+            stash = module._dsflow_aux if self._traced else self._aux
+            stash.append((router_logits, topk_indices, batch))
 
     def _seq_aux(self, logits: torch.Tensor, topk: torch.Tensor, batch: int) -> torch.Tensor:
         """sum_i f_i P_i averaged over the batch's sequences, for one layer (eqs. 18-20)."""
@@ -209,6 +258,10 @@ class ExpertBalancer:
         """``seq_aux_alpha * sum over MoE layers of the sequence-wise balance loss`` of the
         forwards since the last call (one micro-batch); a 0 tensor when disabled or empty.
         Clears the stash: call once per micro-batch, before backward."""
+        if self._traced:
+            for _, router in self.routers:
+                self._aux.extend(router._dsflow_aux)
+                router._dsflow_aux.clear()
         if not self._aux:
             device = self.routers[0][1].weight.device if self.routers else "cpu"
             return torch.zeros((), device=device)
@@ -305,11 +358,17 @@ class ExpertBalancer:
         for buf in (self._counts, self._eval_counts):
             if buf is not None:
                 buf.zero_()
+        self._clear_aux()
+
+    def _clear_aux(self) -> None:
         self._aux = []
+        for _, router in self.routers:
+            if hasattr(router, "_dsflow_aux"):
+                router._dsflow_aux.clear()
 
     def remove(self) -> None:
         """Detach the hooks."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._aux = []
+        self._clear_aux()

@@ -7,7 +7,10 @@
 - `compile`: torch.compile of every decoder layer ("regional" compilation, as torchtitan does):
   the identical layers share one compiled graph, so compilation takes seconds per layer kind,
   not minutes for the whole model, and the model object, its parameter names and HF export
-  stay untouched. The expert balancer's router hook is excluded (it runs eagerly).
+  stay untouched. The expert balancer's router hook runs eagerly between the graphs, which
+  splits each MoE layer into several; `compile_router_hooks: true` traces it into the layer's
+  graph instead (one graph per layer; not with activation checkpointing, where the hook must
+  tell recomputations apart). Opt-in: not yet measured faster on a GPU.
 - `ce_chunk`: the lm_head + cross-entropy fused over token chunks (dsflow.lm), so the
   [tokens x vocab] logits are never held in full. Not with fp16: its gradients are formed
   before the dynamic loss scale, and small ones would underflow (bf16 has fp32's range).
@@ -15,6 +18,14 @@
   launches instead of ~10 per tensor (dsflow.fusedgrads; ZeRO-1/2 without CPU offload).
   `auto` turns it on for CUDA in bf16/fp32 where it fits: 1.4x the dense step on one H200
   (docs/performance.md). fp16 (dynamic loss scaling) is untested, so there it stays opt-in.
+- `experts: sorted`: the routed experts as two grouped GEMMs over the tokens sorted by expert,
+  like HF's `grouped_mm`, but the token permutation's backward is made of gathers: HF writes
+  it as indexing, whose backward is a scatter-add with repeated indices (atomic or sort-based
+  on CUDA) for the dispatch, the routing weights and the un-permutation. Each slot of the
+  sort is one (token, k) pair, so the inverse permutation turns every scatter into a gather
+  and a sum over a token's k rows. The same fp32 combine of the k weighted outputs as HF.
+  Opt-in (`auto` = `hf`): less kernel time per MoE block on an H200, whole steps not yet
+  measured faster (docs/performance.md).
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
   the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
   micro batch, at the price of one more forward (off by default: it is slower at a given batch).
@@ -37,6 +48,7 @@ from dsflow.errors import UsageError
 # HF treats any implementation name containing "flash" as a flash-attn package to import.
 FLASH_PADDED = "dsflow_padded_sdpa"
 DEFAULT_CE_CHUNK = 8192
+SORTED_EXPERTS = "dsflow_sorted"
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,8 @@ class Perf:
     activation_checkpointing: bool = False
     fused_grad_checks: bool = False
     compile_mode: str = "default"  # torch.compile's mode; "reduce-overhead" adds CUDA graphs
+    experts: str = "hf"  # "hf" (the model's own implementation) | "sorted" (SORTED_EXPERTS)
+    compile_router_hooks: bool = False  # trace the balancer's router hooks into the graphs
 
     def describe(self) -> str:
         return (
@@ -56,7 +70,9 @@ class Perf:
             f"cross-entropy {f'fused, {self.ce_chunk}-token chunks' if self.ce_chunk else 'full logits'}, "
             f"prefetch {'on' if self.prefetch else 'off'}, "
             f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}, "
-            f"fused gradient checks {'on' if self.fused_grad_checks else 'off'}"
+            f"fused gradient checks {'on' if self.fused_grad_checks else 'off'}, "
+            f"experts {self.experts}, "
+            f"router hooks {'compiled' if self.compile and self.compile_router_hooks else 'eager'}"
         )
 
 
@@ -103,6 +119,10 @@ def resolve(
         activation_checkpointing=bool(perf.get("activation_checkpointing", False)),
         fused_grad_checks=fused_grad_checks(perf, zero_stage, optimizer_offload, cuda, precision),
         compile_mode=perf.get("compile_mode", "default"),
+        # Not on by default: on the GPU the sorted experts spend less kernel time per MoE
+        # block than HF's, but whole training steps have not yet been measured faster.
+        experts="hf" if perf.get("experts", "auto") == "auto" else perf["experts"],
+        compile_router_hooks=bool(perf.get("compile_router_hooks", False)),
     )
 
 
@@ -182,11 +202,108 @@ def compile_layers(model: Any, mode: str = "default") -> None:
     model.model.norm.compile(dynamic=False, mode=mode)
 
 
-def apply(model: Any, perf: Perf) -> None:
-    """Everything in `perf` that acts on the model itself (not the loss or the data)."""
+class _Dispatch(torch.autograd.Function):
+    """x[order // k]: each token's row once per expert it goes to, the experts in order.
+
+    `order` sorts the flattened (token, k) slots by expert and `inverse` undoes it, so the
+    gradient is a gather through `inverse` and a sum over each token's k rows (autograd's
+    backward of the same indexing would scatter-add into repeated rows)."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse, top_k):
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        tokens = inverse.numel() // ctx.top_k
+        per_token = grad.index_select(0, inverse).view(tokens, ctx.top_k, -1)
+        return per_token.sum(1), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """out[t] = sum_k weights[t, k] * rows[inverse[t * k_all + k]]: the expert outputs (rows,
+    in expert order) back in token order, weighted and summed in fp32 as HF's grouped_mm path
+    does; both gradients are gathers."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, order, inverse):
+        tokens, top_k = weights.shape
+        per_token = rows.index_select(0, inverse).view(tokens, top_k, -1)
+        out = (per_token.float() * weights.float().unsqueeze(-1)).sum(1)
+        ctx.save_for_backward(rows, weights, order, inverse)
+        return out.to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weights, order, inverse = ctx.saved_tensors
+        tokens, top_k = weights.shape
+        grad = grad.float()
+        per_token = rows.index_select(0, inverse).view(tokens, top_k, -1)
+        grad_weights = (per_token.float() * grad.unsqueeze(1)).sum(-1)
+        slot_weight = weights.reshape(-1).index_select(0, order).float().unsqueeze(-1)
+        grad_rows = grad.index_select(0, order // top_k) * slot_weight
+        return grad_rows.to(rows.dtype), grad_weights.to(weights.dtype), None, None
+
+
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x (rows, in) @ weight[e] (in, out) for the rows of expert e (ends at offsets[e])."""
+    gmm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    if weight.dtype == torch.bfloat16:
+        # torch's grouped GEMM (CUDA SM80+, CPU), called directly: HF's dispatcher asks
+        # torch.cuda.get_device_capability on every call, which torch.compile cannot trace, so
+        # on a GPU each expert GEMM would end a compiled graph.
+        return gmm(x, weight, offs=offsets)
+    from transformers.integrations import moe
+
+    # Other dtypes: HF's differentiable fallback where torch has no kernel (fp32 on CUDA, or
+    # under torch.compile, which lowers only bf16); it answers before asking the device.
+    hf = getattr(moe, "_grouped_mm", None)
+    if hf is not None:
+        return hf(x, weight, offs=offsets)
+    return gmm(x.to(weight.dtype), weight, offs=offsets)
+
+
+def sorted_experts_forward(
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """HF experts interface (DeepseekV3Experts): the routed experts' output per token."""
+    top_k = top_k_index.shape[-1]
+    sorted_experts, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    inverse = torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=order.device)
+    )
+    # The end of each expert's rows; from the sorted ids, so no count leaves the device.
+    ends = torch.arange(1, self.num_experts + 1, device=order.device, dtype=sorted_experts.dtype)
+    offsets = torch.searchsorted(sorted_experts, ends, out_int32=True)
+    rows = _Dispatch.apply(hidden_states, order, inverse, top_k)
+    up = _grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offsets)
+    down = _grouped_mm(self._apply_gate(up), self.down_proj.transpose(-2, -1), offsets)
+    return _Combine.apply(down, top_k_weights, order, inverse).to(hidden_states.dtype)
+
+
+def use_experts(model: Any, experts: str) -> None:
+    """Route the model's experts through `experts` ("hf": leave them as built)."""
+    if experts == "hf" or not getattr(model.config, "n_routed_experts", 0):
+        return
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(SORTED_EXPERTS, sorted_experts_forward)
+    model.set_experts_implementation(SORTED_EXPERTS)
+
+
+def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = "cpu") -> None:
+    """Everything in `perf` that acts on the model itself (not the loss or the data); the
+    expert balancer's router hooks (dsflow.balance) go into the compiled graphs where they
+    can, counting on `device`."""
     use_attention(model, perf.attention)
+    use_experts(model, perf.experts)
     if perf.activation_checkpointing:
         # Non-reentrant: the recomputation keeps autograd for the balancer's aux loss.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if perf.compile:
+        if perf.compile_router_hooks and balancer is not None and not perf.activation_checkpointing:
+            balancer.trace_hooks(device)
         compile_layers(model, perf.compile_mode)
