@@ -79,6 +79,7 @@ def run(block, x, grad, reps: int, profile: bool):
         with torch.profiler.profile(activities=[activity]) as prof:
             for _ in range(3):
                 block.zero_grad(set_to_none=True)
+                x.grad = None
                 once()
             sync()
         table = prof.key_averages().table(

@@ -141,6 +141,9 @@ def test_traced_hooks_count_collect_and_stash_like_the_eager_ones():
     assert counts_e.sum() == 3 * 2 * 2 * 16 * 2  # 3 MoE layers, 2 forwards of 2 x 16, top-2
     assert eval_t == eval_e == [2 * 16 * 2] * 3
     assert reset_t.sum() == reset_e.sum() == 0 and left_t.item() == left_e.item() == 0.0
+    # Counts re-created elsewhere (another device): the traced hooks add into the new ones.
+    moved = bal._buffer("_counts", torch.device("meta"))
+    assert all(r._dsflow_counts._base is moved for _, r in bal.routers)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

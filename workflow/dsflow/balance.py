@@ -149,14 +149,17 @@ class ExpertBalancer:
 
         return hook
 
-    def trace_hooks(self, device: torch.device | str) -> None:
+    def trace_hooks(self, device: torch.device | str | None = None) -> None:
         """Let torch.compile trace the router hooks into the compiled layers: an eager hook
         splits every MoE layer into several graphs, each with its own host overhead in forward
         and backward. Only where no forward is recomputed in a backward pass (no activation
         checkpointing): a traced hook cannot tell a recomputation apart. Training counts live
-        on `device` from now on, so tracing never allocates them."""
+        on `device` (the training device; None: the routers') from now on, so tracing never
+        allocates them."""
+        if not self.routers:
+            return  # a dense model: no hooks
         self._traced = True
-        self._buffer("_counts", torch.device(device))
+        self._buffer("_counts", torch.device(device) if device is not None else self._device())
         for handle in self._handles:
             handle.remove()
 

@@ -9,8 +9,10 @@
   not minutes for the whole model, and the model object, its parameter names and HF export
   stay untouched. The expert balancer's router hook runs eagerly between the graphs, which
   splits each MoE layer into several; `compile_router_hooks: true` traces it into the layer's
-  graph instead (one graph per layer; not with activation checkpointing, where the hook must
-  tell recomputations apart). Opt-in: not yet measured faster on a GPU.
+  graph instead (not with activation checkpointing, where the hook must tell recomputations
+  apart). On a GPU that gives one graph per layer with `experts: sorted`; HF's grouped_mm
+  experts still end a graph at each expert GEMM there. Opt-in: not yet measured faster on a
+  GPU.
 - `ce_chunk`: the lm_head + cross-entropy fused over token chunks (dsflow.lm), so the
   [tokens x vocab] logits are never held in full. Not with fp16: its gradients are formed
   before the dynamic loss scale, and small ones would underflow (bf16 has fp32's range).
@@ -20,10 +22,10 @@
   (docs/performance.md). fp16 (dynamic loss scaling) is untested, so there it stays opt-in.
 - `experts: sorted`: the routed experts as two grouped GEMMs over the tokens sorted by expert,
   like HF's `grouped_mm`, but the token permutation's backward is made of gathers: HF writes
-  it as indexing, whose backward is a scatter-add with repeated indices (atomic or sort-based
-  on CUDA) for the dispatch, the routing weights and the un-permutation. Each slot of the
-  sort is one (token, k) pair, so the inverse permutation turns every scatter into a gather
-  and a sum over a token's k rows. The same fp32 combine of the k weighted outputs as HF.
+  it as indexing, whose backward is an accumulating scatter (sort-based on CUDA) for the
+  dispatch (repeated rows: each token goes to k experts), the routing weights and the
+  un-permutation. Each slot of the sort is one (token, k) pair, so the inverse permutation
+  turns every scatter into a gather and a sum over a token's k rows. The same fp32 combine of the k weighted outputs as HF.
   Opt-in (`auto` = `hf`): less kernel time per MoE block on an H200, whole steps not yet
   measured faster (docs/performance.md).
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
@@ -63,6 +65,11 @@ class Perf:
     experts: str = "hf"  # "hf" (the model's own implementation) | "sorted" (SORTED_EXPERTS)
     compile_router_hooks: bool = False  # trace the balancer's router hooks into the graphs
 
+    @property
+    def hooks_traced(self) -> bool:
+        """The balancer's router hooks go into the compiled graphs (dsflow.kernels.apply)."""
+        return self.compile and self.compile_router_hooks and not self.activation_checkpointing
+
     def describe(self) -> str:
         return (
             f"compile {f'on ({self.compile_mode})' if self.compile else 'off'}, "
@@ -72,7 +79,7 @@ class Perf:
             f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}, "
             f"fused gradient checks {'on' if self.fused_grad_checks else 'off'}, "
             f"experts {self.experts}, "
-            f"router hooks {'compiled' if self.compile and self.compile_router_hooks else 'eager'}"
+            f"router hooks {'compiled' if self.hooks_traced else 'eager'}"
         )
 
 
@@ -229,12 +236,12 @@ class _Combine(torch.autograd.Function):
     does; both gradients are gathers."""
 
     @staticmethod
-    def forward(ctx, rows, weights, order, inverse):
+    def forward(ctx, rows, weights, order, inverse, dtype):
         tokens, top_k = weights.shape
         per_token = rows.index_select(0, inverse).view(tokens, top_k, -1)
         out = (per_token.float() * weights.float().unsqueeze(-1)).sum(1)
         ctx.save_for_backward(rows, weights, order, inverse)
-        return out.to(rows.dtype)
+        return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -245,7 +252,7 @@ class _Combine(torch.autograd.Function):
         grad_weights = (per_token.float() * grad.unsqueeze(1)).sum(-1)
         slot_weight = weights.reshape(-1).index_select(0, order).float().unsqueeze(-1)
         grad_rows = grad.index_select(0, order // top_k) * slot_weight
-        return grad_rows.to(rows.dtype), grad_weights.to(weights.dtype), None, None
+        return grad_rows.to(rows.dtype), grad_weights.to(weights.dtype), None, None, None
 
 
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -254,8 +261,8 @@ def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
     if weight.dtype == torch.bfloat16:
         # torch's grouped GEMM (CUDA SM80+, CPU), called directly: HF's dispatcher asks
         # torch.cuda.get_device_capability on every call, which torch.compile cannot trace, so
-        # on a GPU each expert GEMM would end a compiled graph.
-        return gmm(x, weight, offs=offsets)
+        # on a GPU each expert GEMM would end a compiled graph (use_experts checks the GPU).
+        return gmm(x.to(weight.dtype), weight, offs=offsets)
     from transformers.integrations import moe
 
     # Other dtypes: HF's differentiable fallback where torch has no kernel (fp32 on CUDA, or
@@ -281,7 +288,7 @@ def sorted_experts_forward(
     rows = _Dispatch.apply(hidden_states, order, inverse, top_k)
     up = _grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offsets)
     down = _grouped_mm(self._apply_gate(up), self.down_proj.transpose(-2, -1), offsets)
-    return _Combine.apply(down, top_k_weights, order, inverse).to(hidden_states.dtype)
+    return _Combine.apply(down, top_k_weights, order, inverse, hidden_states.dtype)
 
 
 def use_experts(model: Any, experts: str) -> None:
@@ -290,20 +297,40 @@ def use_experts(model: Any, experts: str) -> None:
         return
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+        raise UsageError(
+            "train.perf.experts: sorted needs torch's grouped GEMM (a GPU of compute capability "
+            "8.0 or newer); set train.perf.experts: auto or hf"
+        )
+    for module in model.modules():
+        # DeepseekV3Experts' layout; other HF experts may carry biases, transposed weights,
+        # a post-expert norm or expert-parallel sentinel rows, which this path does not do.
+        if hasattr(module, "gate_up_proj") and (
+            getattr(module, "has_bias", False)
+            or getattr(module, "is_transposed", False)
+            or getattr(module, "has_post_expert_norm", False)
+            or getattr(module, "_is_expert_parallel", False)
+        ):
+            raise UsageError(
+                f"train.perf.experts: sorted does not support {type(module).__name__}'s layout "
+                "(biases, transposed weights, a post-expert norm or expert parallelism); "
+                "set train.perf.experts: auto or hf"
+            )
+
     ALL_EXPERTS_FUNCTIONS.register(SORTED_EXPERTS, sorted_experts_forward)
     model.set_experts_implementation(SORTED_EXPERTS)
 
 
-def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = "cpu") -> None:
-    """Everything in `perf` that acts on the model itself (not the loss or the data); the
-    expert balancer's router hooks (dsflow.balance) go into the compiled graphs where they
-    can, counting on `device`."""
+def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> None:
+    """Everything in `perf` that acts on the model itself (not the loss or the data); with
+    `compile_router_hooks`, the expert balancer's router hooks (dsflow.balance) go into the
+    compiled graphs, counting on `device` (the training device; None: the model's)."""
     use_attention(model, perf.attention)
     use_experts(model, perf.experts)
     if perf.activation_checkpointing:
         # Non-reentrant: the recomputation keeps autograd for the balancer's aux loss.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if perf.compile:
-        if perf.compile_router_hooks and balancer is not None and not perf.activation_checkpointing:
+        if perf.hooks_traced and balancer is not None:
             balancer.trace_hooks(device)
         compile_layers(model, perf.compile_mode)
