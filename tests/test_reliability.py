@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -87,6 +88,7 @@ def snapshot(repo: Path) -> dict:
         "entries": sorted(p.name for p in root.iterdir()) if root.exists() else [],
         "loss": curve(repo),
         "skipped": curve(repo, "train/skipped_steps"),
+        "step_s": curve(repo, "perf/step_s"),
     }
 
 
@@ -318,6 +320,12 @@ def test_sigterm_checkpoints_at_the_next_step_boundary(signalled, finished, base
     assert "Traceback" not in run.stderr
     assert_matches_baseline(run, baseline, range(7, stopped + 1))
     assert f"resumed from step {stopped}" in finished.proc.stderr
+    # A step's time is the period since the last step ended: the 1 s the fault injection
+    # sleeps between steps counts (from the second step after the resume on), as the per-step
+    # bookkeeping does on a GPU.
+    plain = statistics.median(baseline.step_s.values())
+    for step in range(8, stopped + 1):
+        assert run.step_s[step] - plain > 0.9, (step, run.step_s[step], plain)
 
 
 @pytest.mark.slow

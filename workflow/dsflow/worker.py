@@ -720,6 +720,11 @@ def main() -> int:
     loss_value = float("nan")
     profiler = StepProfiler.from_env(rank, device_type)
     graphs = perf.compile and perf.compile_mode in ("reduce-overhead", "max-autotune")
+    # A step's time is the period since the last step ended, so the per-step bookkeeping (loss
+    # all-reduce, expert stats, logging), during which the device idles, counts; validation,
+    # checkpoint saves and profile writing do not (they are reported on their own).
+    last_end: float | None = None
+    aside = 0.0  # seconds of validation, saving and profile writing since last_end
     while step < steps:
         profiler.step_begins(step + 1)
         faults.step_begins()
@@ -749,7 +754,9 @@ def main() -> int:
         profiler.mark("sync")
         if device_type == "cuda":
             torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
+        now = time.perf_counter()
+        dt = now - t0 if last_end is None else now - last_end - aside
+        last_end, aside = now, 0.0
         profiler.mark("bookkeeping")
         loss_value = all_mean(float(loss_sum) / accum, device)
         # A skipped update (overflow) must not move the expert biases either.
@@ -768,7 +775,9 @@ def main() -> int:
             torch.cuda.max_memory_reserved(device) if device_type == "cuda" else 0, device
         )
         if not event["bad"] and (step % train["eval_every"] == 0 or step == steps):
+            tv = time.perf_counter()
             val_loss = validate()
+            aside += time.perf_counter() - tv
         if rank == 0:
             metrics = {
                 "train/loss": loss_value,
@@ -834,14 +843,18 @@ def main() -> int:
             # Every rank stops here together: under the train stage, which reports the reason,
             # a clean exit (no launcher traceback); run by hand, a failure.
             return 0 if os.environ.get("DSFLOW_STATUS_FILE") else EXIT_FATAL
+        tv = time.perf_counter()
         profiler.step_ends(step)
+        aside += time.perf_counter() - tv
         faults.after_step(step)
         requested = Stop.requested or (ckpt.CHECKPOINTS / ckpt.STOP_FILE).exists()
         stop = bool(all_sum([1.0 if requested else 0.0], device)[0])
         # No periodic checkpoint during a run of bad steps: the last good one stays the newest.
         periodic = step % train["checkpoint_every"] == 0 and health.streak == 0
         if periodic or step == steps or stop:
+            tv = time.perf_counter()
             save(step)
+            aside += time.perf_counter() - tv
             last_saved = step
         if stop and step < steps:
             if rank == 0:
