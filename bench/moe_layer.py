@@ -49,7 +49,7 @@ def build(experts: str, compiled: bool):
         block.experts.config._experts_implementation = kernels.SORTED_EXPERTS
     if compiled:
         block.compile(dynamic=False)
-    return block, config
+    return block
 
 
 def run(block, x, grad, reps: int, profile: bool):
@@ -115,7 +115,7 @@ def main() -> int:
     results = {}
     for name in args.variants.split(","):
         experts, _, mode = name.partition("-")
-        block, _ = build(experts, mode == "compiled")
+        block = build(experts, mode == "compiled")
         x = x0.clone().requires_grad_(True)
         results[name] = run(block, x, g0, args.reps, args.profile)
         del block

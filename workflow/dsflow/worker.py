@@ -172,6 +172,31 @@ def report_fatal(message: str) -> None:
                 f.write(message.replace("\n", " ") + "\n")
 
 
+class StepClock:
+    """A step's time is the period since the last step ended, so the per-step bookkeeping (loss
+    all-reduce, expert stats, logging), during which the device idles, counts; what runs
+    inside `aside()` (validation, checkpoint saves, profile writing) does not: it is
+    reported on its own. The first step is timed from its own start."""
+
+    def __init__(self):
+        self.last_end: float | None = None
+        self.set_aside = 0.0  # seconds inside aside() since last_end
+
+    def step_done(self, started: float) -> float:
+        now = time.perf_counter()
+        dt = now - (started if self.last_end is None else self.last_end) - self.set_aside
+        self.last_end, self.set_aside = now, 0.0
+        return dt
+
+    @contextlib.contextmanager
+    def aside(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.set_aside += time.perf_counter() - t
+
+
 class StepHealth:
     """Numerical bookkeeping per optimizer step; every rank holds the same one (it sees only
     all-reduced values), so every rank takes the same decision.
@@ -720,11 +745,7 @@ def main() -> int:
     loss_value = float("nan")
     profiler = StepProfiler.from_env(rank, device_type)
     graphs = perf.compile and perf.compile_mode in ("reduce-overhead", "max-autotune")
-    # A step's time is the period since the last step ended, so the per-step bookkeeping (loss
-    # all-reduce, expert stats, logging), during which the device idles, counts; validation,
-    # checkpoint saves and profile writing do not (they are reported on their own).
-    last_end: float | None = None
-    aside = 0.0  # seconds of validation, saving and profile writing since last_end
+    clock = StepClock()
     while step < steps:
         profiler.step_begins(step + 1)
         faults.step_begins()
@@ -754,9 +775,7 @@ def main() -> int:
         profiler.mark("sync")
         if device_type == "cuda":
             torch.cuda.synchronize(device)
-        now = time.perf_counter()
-        dt = now - t0 if last_end is None else now - last_end - aside
-        last_end, aside = now, 0.0
+        dt = clock.step_done(t0)
         profiler.mark("bookkeeping")
         loss_value = all_mean(float(loss_sum) / accum, device)
         # A skipped update (overflow) must not move the expert biases either.
@@ -775,9 +794,8 @@ def main() -> int:
             torch.cuda.max_memory_reserved(device) if device_type == "cuda" else 0, device
         )
         if not event["bad"] and (step % train["eval_every"] == 0 or step == steps):
-            tv = time.perf_counter()
-            val_loss = validate()
-            aside += time.perf_counter() - tv
+            with clock.aside():
+                val_loss = validate()
         if rank == 0:
             metrics = {
                 "train/loss": loss_value,
@@ -843,18 +861,16 @@ def main() -> int:
             # Every rank stops here together: under the train stage, which reports the reason,
             # a clean exit (no launcher traceback); run by hand, a failure.
             return 0 if os.environ.get("DSFLOW_STATUS_FILE") else EXIT_FATAL
-        tv = time.perf_counter()
-        profiler.step_ends(step)
-        aside += time.perf_counter() - tv
+        with clock.aside():
+            profiler.step_ends(step)
         faults.after_step(step)
         requested = Stop.requested or (ckpt.CHECKPOINTS / ckpt.STOP_FILE).exists()
         stop = bool(all_sum([1.0 if requested else 0.0], device)[0])
         # No periodic checkpoint during a run of bad steps: the last good one stays the newest.
         periodic = step % train["checkpoint_every"] == 0 and health.streak == 0
         if periodic or step == steps or stop:
-            tv = time.perf_counter()
-            save(step)
-            aside += time.perf_counter() - tv
+            with clock.aside():
+                save(step)
             last_saved = step
         if stop and step < steps:
             if rank == 0:
