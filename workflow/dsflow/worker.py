@@ -858,6 +858,7 @@ def main() -> int:
                     "data, before rerunning)"
                 )
             profiler.mark(None)
+            loader.close()  # its reader thread must not run into the interpreter's teardown
             # Every rank stops here together: under the train stage, which reports the reason,
             # a clean exit (no launcher traceback); run by hand, a failure.
             return 0 if os.environ.get("DSFLOW_STATUS_FILE") else EXIT_FATAL
@@ -880,6 +881,7 @@ def main() -> int:
                     f"{ckpt.tag_for(step)} saved",
                     file=sys.stderr,
                 )
+            loader.close()
             # Asked by the train stage (checkpoints/.stop): a clean exit, the stage reports it.
             # Signalled directly: the conventional 128 + SIGTERM.
             return EXIT_STOPPED if Stop.requested else 0
