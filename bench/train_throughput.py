@@ -99,6 +99,22 @@ NOISE = {
 for _name, _change in NOISE.items():
     VARIANTS[_name] = {"perf": {**VARIANTS["baseline"]["perf"], **_change}}
 REFERENCES = ("baseline", *NOISE)
+
+
+def variant(name: str) -> dict:
+    """The overlay of a variant; `a+b` stacks b's overlay on a's (e.g. zero1+sorted-experts)."""
+    from dsflow.params import deep_merge
+
+    parts = name.split("+")
+    unknown = [p for p in parts if p not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; from: {', '.join(VARIANTS)}")
+    overlay: dict = {}
+    for part in parts:
+        overlay = deep_merge(overlay, VARIANTS[part])
+    return overlay
+
+
 COMPARE_STEPS = 50
 # Loss spikes near the peak learning rate come and go with rounding, a step or two each: the
 # largest difference is taken between centred means over this many steps, not single steps.
@@ -163,7 +179,8 @@ def run_stage(
     overlay.write_text(yaml.safe_dump({"model": config, "train": train}))
     env = dict(os.environ)
     if profile:
-        env["DSFLOW_PROFILE"] = f"{steps - 4}:{steps - 2}:{out / f'profile-{name}.txt'}"
+        table = out / f"profile-{name.replace('+', '_')}.txt"
+        env["DSFLOW_PROFILE"] = f"{steps - 4}:{steps - 2}:{table}"
     for path in ("checkpoints", "models/final", "dvclive"):
         shutil.rmtree(path, ignore_errors=True)
     Path("metrics/train.json").unlink(missing_ok=True)
@@ -259,7 +276,7 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         default="baseline,noise,noise-ce,dsflow",
-        help=f"comma-separated, from: {', '.join(VARIANTS)}",
+        help=f"comma-separated, from: {', '.join(VARIANTS)}; a+b stacks b on a",
     )
     ap.add_argument(
         "--profile",
@@ -274,6 +291,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    for vname in args.variants.split(","):
+        variant(vname)  # a wrong name stops here, not after the runs before it
     peak = matmul_peak_tflops()
     print(f"bf16 matmul peak, measured: {peak:.0f} TFLOP/s (8192^3, median of 20)", flush=True)
     results = {"peak_tflops": peak, "runs": {}}
@@ -288,7 +307,7 @@ def main() -> int:
             profile = vname in args.profile.split(",") or (
                 args.profile == "all" and vname not in REFERENCES
             )
-            r = run_stage(name, config, VARIANTS[vname], args.steps, peak, out, profile)
+            r = run_stage(name, config, variant(vname), args.steps, peak, out, profile)
             if r.get("failed"):
                 continue
             r["tokens_per_s"] = MICRO * SEQ / r["step_s"]

@@ -173,3 +173,18 @@ def test_without_a_baseline_nothing_is_judged(bench, monkeypatch, tmp_path, caps
     curves = {"dsflow": curve(), "zero1": curve()}
     assert run_bench(bench, monkeypatch, tmp_path, curves, "dsflow,zero1") == 0
     assert "dense: losses not compared" in capsys.readouterr().out
+
+
+def test_variants_stack_with_plus_and_a_wrong_name_stops_before_any_run(bench):
+    stacked = bench.variant("zero1+sorted-compiled-hooks")
+    assert stacked == {
+        "zero_stage": 1,
+        "perf": {"experts": "sorted", "compile_router_hooks": True},
+    }
+    # The later overlay wins key by key, and the earlier one's other keys stay.
+    assert bench.variant("baseline+cudagraphs")["perf"] == {
+        **bench.VARIANTS["baseline"]["perf"],
+        "compile_mode": "reduce-overhead",
+    }
+    with pytest.raises(SystemExit, match="unknown zero9"):
+        bench.variant("zero1+zero9")
