@@ -1,21 +1,23 @@
 """Training throughput on one GPU: stock HF + DeepSpeed against dsflow's fast paths, side by side.
 
 In one run on one GPU: first the bf16 matmul peak (the MFU denominator), then, for each model
-config, the train stage (`python -m dsflow train`, so the real code path: DeepSpeed ZeRO-2,
-bf16, the same data, seed, batch and sequence length) twice:
+config, the train stage (`python -m dsflow train`, so the real code path: DeepSpeed, bf16,
+the same data, seed, batch and sequence length) twice:
 
 - baseline: `train.perf` all off = stock HF `DeepseekV3ForCausalLM` (SDPA attention, grouped_mm
   experts, eager), full logits + cross-entropy, batches read inline, DeepSpeed's own gradient
-  checks;
-- dsflow: `train.perf` at its defaults (compiled layers, padded flash attention, fused
-  lm_head + cross-entropy, prefetched pinned batches, fused gradient checks);
+  checks, ZeRO-2;
+- dsflow: params.yaml's defaults (`train.perf`: compiled layers, padded flash attention, fused
+  lm_head + cross-entropy, prefetched pinned batches, fused gradient checks; `zero_stage: auto`,
+  which is ZeRO-1 on one GPU);
 - optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
   `no-fused-ce`, `no-prefetch`, `no-fused-checks`) to see what each gives, an opt-in one on
-  (`cudagraphs`), ZeRO stage 1 or 0 (`zero1`, `zero0`: one GPU has nothing to partition;
-  `zero1` without DeepSpeed's per-parameter gradient hooks, as train.zero's auto has it on one
-  rank, `zero1-hooks` with them) or DeepSpeed's overlap_comm off (`no-overlap`); the MoE
-  levers not on by default: `sorted-experts` (train.perf.experts: sorted), `compiled-hooks`
-  (train.perf.compile_router_hooks) and both (`sorted-compiled-hooks`).
+  (`cudagraphs`), a ZeRO stage (`zero2`, the default before `auto`; `zero1`, `zero0`: one GPU
+  has nothing to partition; `zero1` without DeepSpeed's per-parameter gradient hooks, as
+  train.zero's auto has it on one rank, `zero1-hooks` with them) or DeepSpeed's overlap_comm
+  off (`no-overlap`); the MoE levers off: `hf-experts` (train.perf.experts: hf), `eager-hooks`
+  (train.perf.compile_router_hooks: false); `sorted-experts`, `compiled-hooks` and
+  `sorted-compiled-hooks` turn them on (defaults since the sixth session, opt-in before).
 
 - noise, noise-ce: the baseline with one exact change of kernel each (flash attention on
   zero-padded V; the chunked lm_head + cross-entropy), which measure bf16 noise: how far curves
@@ -30,7 +32,10 @@ data/tokenizer (the data stages) in the working directory; writes $OUT (or --out
 
     python bench/train_throughput.py --configs dense,moe --variants baseline,noise,noise-ce,dsflow
     python bench/train_throughput.py --configs dense --variants dsflow,no-compile --profile dsflow
-    python bench/train_throughput.py --configs dense,moe --variants dsflow,zero1,cudagraphs
+    python bench/train_throughput.py --configs dense,moe --variants dsflow,zero2,cudagraphs
+    python bench/train_throughput.py --configs moe --variants baseline,zero2+sorted-experts
+
+Variants stack with +: `a+b` is b's overlay on a's.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ CONFIGS = {
 # Variants: overlays on the train section. baseline = every fast path off.
 VARIANTS = {
     "baseline": {
+        "zero_stage": 2,
         "perf": {
             "compile": False,
             "attention": "sdpa",
@@ -68,7 +74,7 @@ VARIANTS = {
             "prefetch": False,
             "fused_grad_checks": False,
             "experts": "hf",
-        }
+        },
     },
     "dsflow": {},
     # one lever off (or an opt-in one on) at a time, the rest at their defaults (--variants)
@@ -77,10 +83,14 @@ VARIANTS = {
     "no-fused-ce": {"perf": {"ce_chunk": 0}},
     "no-prefetch": {"perf": {"prefetch": False}},
     "no-fused-checks": {"perf": {"fused_grad_checks": False}},
+    "hf-experts": {"perf": {"experts": "hf"}},
+    "eager-hooks": {"perf": {"compile_router_hooks": False}},
+    # the defaults since the sixth session; before, opt-in
     "sorted-experts": {"perf": {"experts": "sorted"}},
     "compiled-hooks": {"perf": {"compile_router_hooks": True}},
     "sorted-compiled-hooks": {"perf": {"experts": "sorted", "compile_router_hooks": True}},
     # ZeRO-1 on one rank: train.zero's auto leaves out DeepSpeed's per-parameter gradient hooks
+    "zero2": {"zero_stage": 2},
     "zero1": {"zero_stage": 1},
     "zero1-hooks": {"zero_stage": 1, "zero": {"overlap_comm": True, "contiguous_gradients": True}},
     "zero0": {"zero_stage": 0},
@@ -97,7 +107,7 @@ NOISE = {
     "noise-ce": {"ce_chunk": DEFAULT_CE_CHUNK},
 }
 for _name, _change in NOISE.items():
-    VARIANTS[_name] = {"perf": {**VARIANTS["baseline"]["perf"], **_change}}
+    VARIANTS[_name] = {**VARIANTS["baseline"], "perf": {**VARIANTS["baseline"]["perf"], **_change}}
 REFERENCES = ("baseline", *NOISE)
 
 
@@ -159,7 +169,7 @@ def run_stage(
         "device": "cuda",
         "gpus": 1,
         "precision": "bf16",
-        "zero_stage": 2,
+        "zero_stage": "auto",
         "seq_len": SEQ,
         "micro_batch": MICRO,
         "grad_accum": 1,
@@ -345,7 +355,7 @@ def main() -> int:
         (out / "results.json").write_text(json.dumps(results, indent=2))
 
     print()
-    print(f"measured bf16 peak {peak:.0f} TFLOP/s; seq {SEQ}, micro {MICRO}, 1 GPU, ZeRO-2, bf16")
+    print(f"measured bf16 peak {peak:.0f} TFLOP/s; seq {SEQ}, micro {MICRO}, 1 GPU, bf16")
     header = (
         f"{'config':<7} {'run':<12} {'params tot/act':>16} {'tok/s':>9} {'MFU':>6} "
         f"{'step ms':>8} {'peak GB':>8} {'data wait':>9} {'x base':>7} {'loss d mean/max':>17}"

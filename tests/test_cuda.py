@@ -74,8 +74,11 @@ def test_cuda_fast_paths_train_the_same_curve(prepared, tmp_path):
     plain = gpu_run(prepared, tmp_path / "plain", "fp32", PLAIN)
     fast = gpu_run(prepared, tmp_path / "fast", "fp32", FAST)
     assert plain.keys() == fast.keys()
-    for step in plain:
-        assert fast[step] == pytest.approx(plain[step], rel=1e-3), step
+    # Every step's difference in the message: growing step by step is rounding that the MoE
+    # routing amplifies, a jump at one step is a bug (on one H200, sixth session, step 11 of 12
+    # was 1.2e-3 off with everything before it inside).
+    rel = {step: abs(fast[step] - plain[step]) / abs(plain[step]) for step in plain}
+    assert max(rel.values()) <= 1e-3, rel
     # Each step's loss is its own: a stale graph output would repeat the previous one.
     assert len(set(fast.values())) == len(fast)
 

@@ -33,8 +33,13 @@ def batch(seed=1, size=2, seq=33):
 
 def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
-    fast = kernels.Perf(True, "flash_padded", 8192, True, False, fused_grad_checks=True)
+    fast = kernels.Perf(
+        True, "flash_padded", 8192, True, False, fused_grad_checks=True, experts="sorted",
+        experts_fallback=True,
+    )  # fmt: skip
     assert kernels.resolve(auto, "cuda") == fast
+    # Asked for by name, the sorted experts are not swapped for HF's where they do not apply.
+    assert not kernels.resolve({**auto, "experts": "sorted"}, "cuda").experts_fallback
     assert kernels.resolve(auto, "cpu") == kernels.Perf(False, "sdpa", 0, True, False)
     assert kernels.resolve({**auto, "ce_chunk": 512, "compile": True}, "cpu").ce_chunk == 512
     # ZeRO-3 gathers parameters in module hooks: auto turns compile off, true is refused.
@@ -120,6 +125,20 @@ def test_fused_cross_entropy_takes_a_loss_scale_beyond_the_16_bit_range():
     targets = torch.randint(0, VOCAB, (64,))
     (linear_cross_entropy(hidden, weight, targets, 32) * 2.0**16).backward()
     assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+
+
+def test_experts_auto_keeps_hfs_where_sorted_does_not_apply():
+    """`experts: auto` on a layout the sorted experts do not handle keeps HF's experts; asked
+    for by name, the same layout is a one-line UsageError naming the key."""
+    model = tiny(moe_intermediate_size=16)
+    assert kernels.use_experts(model, "sorted", fallback=True) == "sorted"
+    odd = tiny(moe_intermediate_size=16)
+    next(m for m in odd.modules() if hasattr(m, "gate_up_proj")).has_bias = True
+    before = odd.config._experts_implementation
+    assert kernels.use_experts(odd, "sorted", fallback=True) == "hf"
+    assert odd.config._experts_implementation == before
+    with pytest.raises(UsageError, match="train.perf.experts: sorted does not support"):
+        kernels.use_experts(odd, "sorted")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

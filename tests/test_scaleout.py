@@ -105,6 +105,11 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     # Less GPU memory, a costlier layout: ZeRO-2, then ZeRO-3 + optimizer offload (ZeRO-3 alone
     # does not fit 8 GB), then parameter offload too.
     assert picks == {80: (2, False, False), 8: (3, True, False), 4: (3, True, True)}
+    # One GPU: ZeRO-1, which holds what ZeRO-2 does there, without DeepSpeed's gradient hooks;
+    # where that does not fit, the same costlier layouts.
+    alone = {mem: planner.auto_layout(medium, 1, "cuda", mem * gb, host) for mem in (80, 8)}
+    assert alone[80][:3] == (1, False, False) and "one GPU: ZeRO-1" in alone[80][3]
+    assert alone[8][:3] == (3, True, False)
     # Offload asked for in train.offload is kept.
     kept = P.deep_merge(medium, {"train": {"offload": {"optimizer": "cpu"}}})
     assert planner.auto_layout(kept, 3, "cuda", 80 * gb, host)[:3] == (3, True, False)

@@ -68,8 +68,10 @@ def test_ds_config_generation_and_user_merge(tmp_path):
 
     from dsflow.params import load
 
-    params = load()
-    t = params["train"]
+    # zero_stage: auto is the train stage's to resolve (train.resolve_zero) before this.
+    t = {**load()["train"], "zero_stage": 2}
+    with pytest.raises(ValueError, match="resolve_zero"):
+        dsconfig.build({**t, "zero_stage": "auto"}, dsconfig.resolve_batch(4, 2, None, 3), 9, "cpu")
     batch = dsconfig.resolve_batch(4, 2, None, 3)
     cfg = dsconfig.build({**t, "precision": "fp16"}, batch, 100, "cuda")
     assert cfg["train_batch_size"] == 24 and cfg["fp16"]["loss_scale"] == 0

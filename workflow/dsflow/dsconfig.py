@@ -186,6 +186,10 @@ def zero_optimization(train: dict, device_type: str, world: int) -> dict:
     """The zero_optimization section: stage, buckets, ZeRO-3 knobs and offload."""
     check_offload(train, device_type)
     stage, zero, off = train["zero_stage"], train["zero"], train["offload"]
+    if stage == "auto":
+        raise ValueError(
+            "train.zero_stage: auto reached the DeepSpeed config; call train.resolve_zero first"
+        )
     overlap, contiguous = gradient_hooks(zero, stage, world, device_type)
     cfg = {
         "stage": stage,

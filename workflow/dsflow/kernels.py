@@ -11,8 +11,7 @@
   splits each MoE layer into several; `compile_router_hooks: true` traces it into the layer's
   graph instead (not with activation checkpointing, where the hook must tell recomputations
   apart). On a GPU that gives one graph per layer with `experts: sorted`; HF's grouped_mm
-  experts still end a graph at each expert GEMM there. Opt-in: not yet measured faster on a
-  GPU.
+  experts still end a graph at each expert GEMM there. On by default (ignored without compile).
 - `ce_chunk`: the lm_head + cross-entropy fused over token chunks (dsflow.lm), so the
   [tokens x vocab] logits are never held in full. Not with fp16: its gradients are formed
   before the dynamic loss scale, and small ones would underflow (bf16 has fp32's range).
@@ -25,9 +24,10 @@
   it as indexing, whose backward is an accumulating scatter (sort-based on CUDA) for the
   dispatch (repeated rows: each token goes to k experts), the routing weights and the
   un-permutation. Each slot of the sort is one (token, k) pair, so the inverse permutation
-  turns every scatter into a gather and a sum over a token's k rows. The same fp32 combine of the k weighted outputs as HF.
-  Opt-in (`auto` = `hf`): less kernel time per MoE block on an H200, whole steps not yet
-  measured faster (docs/performance.md).
+  turns every scatter into a gather and a sum over a token's k rows. The same fp32 combine of
+  the k weighted outputs as HF. `auto` = sorted on CUDA (HF's experts where it does not
+  apply: a GPU below SM80, another experts layout), HF's on CPU: with the hooks traced, 1.16x
+  the MoE step on one H200 (docs/performance.md).
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
   the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
   micro batch, at the price of one more forward (off by default: it is slower at a given batch).
@@ -63,7 +63,9 @@ class Perf:
     fused_grad_checks: bool = False
     compile_mode: str = "default"  # torch.compile's mode; "reduce-overhead" adds CUDA graphs
     experts: str = "hf"  # "hf" (the model's own implementation) | "sorted" (SORTED_EXPERTS)
-    compile_router_hooks: bool = False  # trace the balancer's router hooks into the graphs
+    compile_router_hooks: bool = True  # trace the balancer's router hooks into the graphs
+    # experts: auto chose sorted: keep HF's experts where sorted does not apply, not an error
+    experts_fallback: bool = False
 
     @property
     def hooks_traced(self) -> bool:
@@ -78,7 +80,7 @@ class Perf:
             f"prefetch {'on' if self.prefetch else 'off'}, "
             f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}, "
             f"fused gradient checks {'on' if self.fused_grad_checks else 'off'}, "
-            f"experts {self.experts}, "
+            f"experts {self.experts}{' where it applies' if self.experts_fallback and self.experts == 'sorted' else ''}, "
             f"router hooks {'compiled' if self.hooks_traced else 'eager'}"
         )
 
@@ -118,6 +120,10 @@ def resolve(
                 "set train.perf.ce_chunk: auto or 0, or use bf16"
             )
         ce_chunk = 0
+    # On an H200 the sorted experts with the router hooks traced took a MoE step from 133.2 to
+    # 114.5 ms (docs/performance.md); on CPU HF's own loop stays.
+    experts_auto = perf.get("experts", "auto") == "auto"
+    experts = pick("experts", "sorted", "hf") if experts_auto else perf["experts"]
     return Perf(
         compile=compile_,
         attention=attention,
@@ -126,10 +132,9 @@ def resolve(
         activation_checkpointing=bool(perf.get("activation_checkpointing", False)),
         fused_grad_checks=fused_grad_checks(perf, zero_stage, optimizer_offload, cuda, precision),
         compile_mode=perf.get("compile_mode", "default"),
-        # Not on by default: on the GPU the sorted experts spend less kernel time per MoE
-        # block than HF's, but whole training steps have not yet been measured faster.
-        experts="hf" if perf.get("experts", "auto") == "auto" else perf["experts"],
-        compile_router_hooks=bool(perf.get("compile_router_hooks", False)),
+        experts=experts,
+        experts_fallback=experts_auto and experts == "sorted",
+        compile_router_hooks=bool(perf.get("compile_router_hooks", True)),
     )
 
 
@@ -291,26 +296,22 @@ def sorted_experts_forward(
     return _Combine.apply(down, top_k_weights, order, inverse, hidden_states.dtype)
 
 
-def use_experts(model: Any, experts: str) -> None:
-    """Route the model's experts through `experts` ("hf": leave them as built)."""
+def use_experts(model: Any, experts: str, fallback: bool = False) -> str:
+    """Route the model's experts through `experts` ("hf": leave them as built); the one in use.
+    Where the sorted experts do not apply, `fallback` keeps HF's, else a UsageError says why."""
     if experts == "hf" or not getattr(model.config, "n_routed_experts", 0):
-        return
+        return "hf"
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+    if fallback and not sorted_experts_apply(model):
+        return "hf"
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
         raise UsageError(
             "train.perf.experts: sorted needs torch's grouped GEMM (a GPU of compute capability "
             "8.0 or newer); set train.perf.experts: auto or hf"
         )
     for module in model.modules():
-        # DeepseekV3Experts' layout; other HF experts may carry biases, transposed weights,
-        # a post-expert norm or expert-parallel sentinel rows, which this path does not do.
-        if hasattr(module, "gate_up_proj") and (
-            getattr(module, "has_bias", False)
-            or getattr(module, "is_transposed", False)
-            or getattr(module, "has_post_expert_norm", False)
-            or getattr(module, "_is_expert_parallel", False)
-        ):
+        if _unsupported_layout(module):
             raise UsageError(
                 f"train.perf.experts: sorted does not support {type(module).__name__}'s layout "
                 "(biases, transposed weights, a post-expert norm or expert parallelism); "
@@ -319,6 +320,24 @@ def use_experts(model: Any, experts: str) -> None:
 
     ALL_EXPERTS_FUNCTIONS.register(SORTED_EXPERTS, sorted_experts_forward)
     model.set_experts_implementation(SORTED_EXPERTS)
+    return "sorted"
+
+
+def _unsupported_layout(module: Any) -> bool:
+    # DeepseekV3Experts' layout; other HF experts may carry biases, transposed weights,
+    # a post-expert norm or expert-parallel sentinel rows, which this path does not do.
+    return hasattr(module, "gate_up_proj") and any(
+        getattr(module, flag, False)
+        for flag in ("has_bias", "is_transposed", "has_post_expert_norm", "_is_expert_parallel")
+    )
+
+
+def sorted_experts_apply(model: Any) -> bool:
+    """Whether the sorted experts can run this model here: torch's grouped GEMM (CPU, or a GPU
+    of compute capability 8.0+) and DeepseekV3Experts' weight layout."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+        return False
+    return not any(_unsupported_layout(m) for m in model.modules())
 
 
 def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> None:
@@ -326,7 +345,7 @@ def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> N
     `compile_router_hooks`, the expert balancer's router hooks (dsflow.balance) go into the
     compiled graphs, counting on `device` (the training device; None: the model's)."""
     use_attention(model, perf.attention)
-    use_experts(model, perf.experts)
+    use_experts(model, perf.experts, perf.experts_fallback)
     if perf.activation_checkpointing:
         # Non-reentrant: the recomputation keeps autograd for the balancer's aux loss.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

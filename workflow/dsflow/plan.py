@@ -1080,11 +1080,11 @@ def resolve(
         accum = train["grad_accum"] or 1
     zero = _arg(args, "zero")
     if zero is None and train["zero_stage"] == "auto":
+        zero = 1 if world == 1 else 2
         notes.append(
-            "train.zero_stage: auto: planned as ZeRO-2; the train stage picks the cheapest "
-            "layout that fits (see cheapest fit)"
+            f"train.zero_stage: auto: planned as ZeRO-{zero}; the train stage picks the "
+            "cheapest layout that fits (see cheapest fit)"
         )
-        zero = 2
     zero = int(train["zero_stage"] if zero is None else zero)
     precision = _arg(args, "precision") or train["precision"]
     offload = train.get("offload") or {}
@@ -1307,9 +1307,12 @@ def auto_layout(
     host_mem_bytes: int | None = None,
 ) -> tuple[int, bool, bool, str]:
     """`train.zero_stage: auto`: (stage, offload optimizer, offload params, why) of the first
-    memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
-    offload, + parameter offload, at the configured micro batch (offload asked for in
-    train.offload is kept). On CPU there is nothing to fit: ZeRO-2. When nothing fits, a
+    memory layout that fits GPU (and host) memory, in cost order ZeRO-2 (ZeRO-1 on one GPU),
+    ZeRO-3, + optimizer offload, + parameter offload, at the configured micro batch (offload
+    asked for in train.offload is kept). One GPU has nothing to partition, so ZeRO-1 holds what
+    ZeRO-2 does, and there DeepSpeed handles its gradients without a hook per parameter in every
+    backward: faster on one H200 (docs/performance.md). On CPU there is nothing to fit: ZeRO-2
+    (the fewest collectives). When nothing fits, a
     UsageError names the cheapest strategy that would (smaller micro batch, checkpointing, a
     smaller preset). Host RAM: `host_mem_bytes`, else this machine's."""
     offload = params["train"].get("offload") or {}
@@ -1318,13 +1321,14 @@ def auto_layout(
     if device_type != "cuda":
         stage = 3 if want_par else 2
         return stage, want_opt, want_par, "a CPU run: no GPU memory to fit, the fewest collectives"
+    first = 1 if world == 1 else 2
     pinned = copy.deepcopy(params)
-    pinned["train"]["zero_stage"] = 2
+    pinned["train"]["zero_stage"] = first
     req = resolve(pinned, None, world=world, gpu_mem_bytes=gpu_mem_bytes)
     if req.gpu_mem_bytes is None:
-        return 2, want_opt, want_par, "GPU memory unknown: ZeRO-2"
+        return first, want_opt, want_par, f"GPU memory unknown: ZeRO-{first}"
     host = host_mem_bytes if host_mem_bytes is not None else host_memory_bytes()
-    layouts = [(2, False, False), (3, False, False), (3, True, False), (3, True, True)]
+    layouts = [(first, False, False), (3, False, False), (3, True, False), (3, True, True)]
     reason = ""
     for z, o, p in layouts:
         if (want_opt and not o) or (want_par and not p):
@@ -1335,7 +1339,8 @@ def auto_layout(
         fits, reason = verdict(est, req.gpu_mem_bytes, host)
         if fits:
             gb = f"{_gb(est['gpu']['total']):.1f} of {_gb(req.gpu_mem_bytes):.1f} GB per GPU"
-            return z, o, p, f"the planner's cheapest fit: {gb}"
+            alone = " (one GPU: ZeRO-1, no gradient hooks)" if z == 1 else ""
+            return z, o, p, f"the planner's cheapest fit{alone}: {gb}"
     rows = cheapest_fit(
         req.config,
         gpu_mem_bytes=req.gpu_mem_bytes,
