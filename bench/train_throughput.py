@@ -8,8 +8,10 @@ the same data, seed, batch and sequence length) twice:
   experts, eager), full logits + cross-entropy, batches read inline, DeepSpeed's own gradient
   checks, ZeRO-2;
 - dsflow: params.yaml's defaults (`train.perf`: compiled layers, padded flash attention, fused
-  lm_head + cross-entropy, prefetched pinned batches, fused gradient checks; `zero_stage: auto`,
-  which is ZeRO-1 on one GPU);
+  lm_head + cross-entropy, prefetched pinned batches, fused gradient checks, for MoE models the
+  sorted experts and the router hooks traced into the compiled layers; `zero_stage: auto`,
+  which is ZeRO-1 on one GPU, so `zero1` is `dsflow` there and `no-overlap` changes nothing:
+  use `zero2+no-overlap`);
 - optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
   `no-fused-ce`, `no-prefetch`, `no-fused-checks`) to see what each gives, an opt-in one on
   (`cudagraphs`), a ZeRO stage (`zero2`, the default before `auto`; `zero1`, `zero0`: one GPU

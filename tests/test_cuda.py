@@ -31,7 +31,7 @@ PLAIN = {
     "fused_grad_checks": False,
     "experts": "hf",
 }
-# Every CUDA fast path at once, the opt-in ones included: CUDA graphs around each compiled
+# Every CUDA fast path at once, the opt-in CUDA graphs included: CUDA graphs around each compiled
 # layer, flash attention on padded V, the fused loss (a chunk that does not divide the batch),
 # pinned prefetch, fused gradient checks, the sorted experts, router hooks in the graphs.
 FAST = {

@@ -40,6 +40,9 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     assert kernels.resolve(auto, "cuda") == fast
     # Asked for by name, the sorted experts are not swapped for HF's where they do not apply.
     assert not kernels.resolve({**auto, "experts": "sorted"}, "cuda").experts_fallback
+    # auto keeps HF's experts where the sorted ones are untested: fp16, ZeRO-3.
+    assert kernels.resolve(auto, "cuda", precision="fp16").experts == "hf"
+    assert kernels.resolve(auto, "cuda", zero_stage=3).experts == "hf"
     assert kernels.resolve(auto, "cpu") == kernels.Perf(False, "sdpa", 0, True, False)
     assert kernels.resolve({**auto, "ce_chunk": 512, "compile": True}, "cpu").ce_chunk == 512
     # ZeRO-3 gathers parameters in module hooks: auto turns compile off, true is refused.
@@ -139,6 +142,10 @@ def test_experts_auto_keeps_hfs_where_sorted_does_not_apply():
     assert odd.config._experts_implementation == before
     with pytest.raises(UsageError, match="train.perf.experts: sorted does not support"):
         kernels.use_experts(odd, "sorted")
+    # The train stage logs what apply returns: the experts that run.
+    perf = kernels.Perf(False, "sdpa", 0, False, experts="sorted", experts_fallback=True)
+    assert kernels.apply(odd, perf).experts == "hf"
+    assert kernels.apply(tiny(moe_intermediate_size=16), perf).experts == "sorted"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

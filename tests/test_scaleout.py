@@ -107,9 +107,15 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     assert picks == {80: (2, False, False), 8: (3, True, False), 4: (3, True, True)}
     # One GPU: ZeRO-1, which holds what ZeRO-2 does there, without DeepSpeed's gradient hooks;
     # where that does not fit, the same costlier layouts.
+    # ZeRO-3 partitions nothing there, so ZeRO-2 with optimizer offload is next.
     alone = {mem: planner.auto_layout(medium, 1, "cuda", mem * gb, host) for mem in (80, 8)}
     assert alone[80][:3] == (1, False, False) and "one GPU: ZeRO-1" in alone[80][3]
-    assert alone[8][:3] == (3, True, False)
+    assert alone[8][:3] == (2, True, False)
+    # Parameter offload exists at ZeRO-3 only: asked for, auto plans there (it failed before).
+    par = P.deep_merge(medium, {"train": {"offload": {"param": "cpu"}}})
+    for world in (1, 3):
+        assert planner.auto_layout(par, world, "cuda", 80 * gb, host)[:3] == (3, True, True)
+    assert planner.auto_layout(par, 1, "cuda", None, host)[:3] == (3, False, True)
     # Offload asked for in train.offload is kept.
     kept = P.deep_merge(medium, {"train": {"offload": {"optimizer": "cpu"}}})
     assert planner.auto_layout(kept, 3, "cuda", 80 * gb, host)[:3] == (3, True, False)
@@ -357,6 +363,41 @@ def test_another_zero_layout_is_refused_rather_than_started_over(tmp_path):
     assert "set train.zero_stage: 2, train.offload.optimizer: cpu to resume" in msg
     plan["params"] = P.deep_merge(new, {"train": {"optimizer": {"lr": 0.1}}})
     train.check_layout(tmp_path, plan)  # another run: no message
+
+
+def test_auto_keeps_the_layout_this_run_was_saved_in(prepared, tmp_path, monkeypatch):
+    """zero_stage: auto picks by the GPUs at hand (ZeRO-1 on one, ZeRO-2 on several or on
+    CPU), and a run cannot resume across stages: with this run in checkpoints/ saved at
+    another stage, the train stage keeps that stage instead of refusing to resume."""
+    import shutil
+
+    from test_train import TRAIN
+
+    from dsflow import train
+
+    repo = tmp_path / "repo"
+    shutil.copytree(prepared, repo, ignore=shutil.ignore_patterns("checkpoints", "models"))
+    monkeypatch.chdir(repo)
+    auto = P.validate(
+        P.deep_merge(P.load(), {**TRAIN, "train": {**TRAIN["train"], "zero_stage": "auto"}})
+    )
+    launched = []
+    monkeypatch.setattr(train, "preflight", lambda params, plan: {})
+    monkeypatch.setattr(train, "_run_locked", lambda plan, *rest: launched.append(plan))
+    # Nothing saved: auto on CPU is ZeRO-2.
+    train.run(auto)
+    assert launched[-1]["ds_config"]["zero_optimization"]["stage"] == 2
+    # This run saved at ZeRO-1 (e.g. on one GPU): kept.
+    saved = train.plan_run(P.deep_merge(auto, {"train": {"zero_stage": 1}}))
+    ckpt.CHECKPOINTS.mkdir(exist_ok=True)
+    (ckpt.CHECKPOINTS / "run.json").write_text(json.dumps(saved))
+    train.run(auto)
+    assert launched[-1]["ds_config"]["zero_optimization"]["stage"] == 1
+    assert launched[-1]["fingerprint"] == saved["fingerprint"]
+    # Another run in checkpoints/ (another learning rate): auto picks afresh.
+    other = P.deep_merge(auto, {"train": {"optimizer": {"lr": 0.1}}})
+    train.run(other)
+    assert launched[-1]["ds_config"]["zero_optimization"]["stage"] == 2
 
 
 def test_lockstep_validation_runs_as_many_forwards_on_every_rank():

@@ -154,9 +154,10 @@ def test_continued_training_from_a_pretrained_checkpoint(prepared, baseline, tmp
 
 def test_fast_paths_train_the_same_curve(prepared, baseline, tmp_path):
     """train.perf's padded attention, fused cross-entropy (a chunk that does not divide the
-    batch), prefetched batches and fused gradient checks change speed, not the math: the same
-    losses as the plain path (fp32), and the fingerprint ignores them, so a run can resume with
-    other settings."""
+    batch), prefetched batches, fused gradient checks and sorted experts (on CPU HF's own
+    experts loop per expert) change speed, not the math: the same losses as the plain path
+    (fp32, 3 ranks), and the fingerprint ignores them, so a run can resume with other
+    settings."""
     repo = tmp_path / "repo"
     perf = {
         "attention": "flash_padded",
@@ -164,6 +165,7 @@ def test_fast_paths_train_the_same_curve(prepared, baseline, tmp_path):
         "prefetch": True,
         "compile": False,
         "fused_grad_checks": True,
+        "experts": "sorted",
     }
     trained_copy(prepared, repo, {"train": {"perf": perf}})
     plain, fast = losses(baseline), losses(repo)

@@ -172,8 +172,8 @@ def gradient_hooks(zero: dict, stage: int, world: int, device_type: str) -> tupl
     """(overlap_comm, contiguous_gradients) for DeepSpeed from train.zero. `auto` (the default)
     turns both off for one rank at ZeRO-0/1, where nothing is reduced across ranks or
     partitioned: with both off DeepSpeed installs no per-parameter gradient hook, whose Python
-    otherwise runs for every parameter in every backward (measured on one H200: 4% of the dense
-    step). Everywhere else auto is on. overlap_comm needs CUDA streams: off on CPU in any case."""
+    otherwise runs for every parameter in every backward (on one H200, ZeRO-1 so against
+    ZeRO-2: 1.14x the dense step, 1.22x the MoE's). Everywhere else auto is on. overlap_comm needs CUDA streams: off on CPU in any case."""
     alone = world == 1 and stage in (0, 1)
     overlap, contiguous = (
         not alone if zero[key] == "auto" else zero[key]
@@ -184,12 +184,12 @@ def gradient_hooks(zero: dict, stage: int, world: int, device_type: str) -> tupl
 
 def zero_optimization(train: dict, device_type: str, world: int) -> dict:
     """The zero_optimization section: stage, buckets, ZeRO-3 knobs and offload."""
-    check_offload(train, device_type)
     stage, zero, off = train["zero_stage"], train["zero"], train["offload"]
     if stage == "auto":
         raise ValueError(
             "train.zero_stage: auto reached the DeepSpeed config; call train.resolve_zero first"
         )
+    check_offload(train, device_type)
     overlap, contiguous = gradient_hooks(zero, stage, world, device_type)
     cfg = {
         "stage": stage,

@@ -39,6 +39,7 @@ exist.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,8 +123,11 @@ def resolve(
         ce_chunk = 0
     # On an H200 the sorted experts with the router hooks traced took a MoE step from 133.2 to
     # 114.5 ms (docs/performance.md); on CPU HF's own loop stays.
+    # Tested (CPU: 3 ranks; GPU: one) in bf16/fp32 at ZeRO-0/1/2; fp16's loss scaling and
+    # ZeRO-3's parameter gathering around the MoE blocks are not, so there auto keeps HF's.
     experts_auto = perf.get("experts", "auto") == "auto"
-    experts = pick("experts", "sorted", "hf") if experts_auto else perf["experts"]
+    tested = precision in ("bf16", "fp32") and zero_stage in (0, 1, 2)
+    experts = ("sorted" if cuda and tested else "hf") if experts_auto else perf["experts"]
     return Perf(
         compile=compile_,
         attention=attention,
@@ -340,12 +344,15 @@ def sorted_experts_apply(model: Any) -> bool:
     return not any(_unsupported_layout(m) for m in model.modules())
 
 
-def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> None:
+def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> Perf:
     """Everything in `perf` that acts on the model itself (not the loss or the data); with
     `compile_router_hooks`, the expert balancer's router hooks (dsflow.balance) go into the
-    compiled graphs, counting on `device` (the training device; None: the model's)."""
+    compiled graphs, counting on `device` (the training device; None: the model's). Returns
+    `perf` as applied: `experts` is HF's where `auto`'s sorted experts did not apply."""
     use_attention(model, perf.attention)
-    use_experts(model, perf.experts, perf.experts_fallback)
+    experts = use_experts(model, perf.experts, perf.experts_fallback)
+    if experts != perf.experts:
+        perf = dataclasses.replace(perf, experts=experts, experts_fallback=False)
     if perf.activation_checkpointing:
         # Non-reentrant: the recomputation keeps autograd for the balancer's aux loss.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -353,3 +360,4 @@ def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> N
         if perf.hooks_traced and balancer is not None:
             balancer.trace_hooks(device)
         compile_layers(model, perf.compile_mode)
+    return perf

@@ -22,7 +22,9 @@ Model states (``P`` parameters, ``N`` data-parallel ranks, 16-bit = bf16/fp16):
   to the steady state; ``model_states`` here is the same sum, so the two compare directly.
 
 Activations: what autograd keeps for backward in HF's ``DeepseekV3ForCausalLM`` with SDPA
-attention and the ``grouped_mm`` experts kernel (CUDA), per token, ``a`` = 2 bytes (4 in fp32):
+attention and the ``grouped_mm`` experts kernel (CUDA), per token, ``a`` = 2 bytes (4 in fp32).
+(The sorted experts, the CUDA default since the sixth session, keep a little less: on one H200
+the medium MoE peaked at 32.8 GB with them against 33.1 GB with HF's, at ZeRO-1.)
 
 - RMSNorm upcasts: it saves an fp32 copy of its input and the normalized 16-bit tensor
   (``(4 + a) x width``), its consumer saves the output (``a x width``).
@@ -1080,7 +1082,8 @@ def resolve(
         accum = train["grad_accum"] or 1
     zero = _arg(args, "zero")
     if zero is None and train["zero_stage"] == "auto":
-        zero = 1 if world == 1 else 2
+        param_offload = (train.get("offload") or {}).get("param", "none") != "none"
+        zero = 3 if param_offload else 1 if world == 1 else 2
         notes.append(
             f"train.zero_stage: auto: planned as ZeRO-{zero}; the train stage picks the "
             "cheapest layout that fits (see cheapest fit)"
@@ -1307,9 +1310,9 @@ def auto_layout(
     host_mem_bytes: int | None = None,
 ) -> tuple[int, bool, bool, str]:
     """`train.zero_stage: auto`: (stage, offload optimizer, offload params, why) of the first
-    memory layout that fits GPU (and host) memory, in cost order ZeRO-2 (ZeRO-1 on one GPU),
-    ZeRO-3, + optimizer offload, + parameter offload, at the configured micro batch (offload
-    asked for in train.offload is kept). One GPU has nothing to partition, so ZeRO-1 holds what
+    memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
+    offload, + parameter offload (one GPU: ZeRO-1, ZeRO-2 + optimizer offload, then ZeRO-3
+    with offload), at the configured micro batch (offload asked for in train.offload is kept). One GPU has nothing to partition, so ZeRO-1 holds what
     ZeRO-2 does, and there DeepSpeed handles its gradients without a hook per parameter in every
     backward: faster on one H200 (docs/performance.md). On CPU there is nothing to fit: ZeRO-2
     (the fewest collectives). When nothing fits, a
@@ -1321,14 +1324,20 @@ def auto_layout(
     if device_type != "cuda":
         stage = 3 if want_par else 2
         return stage, want_opt, want_par, "a CPU run: no GPU memory to fit, the fewest collectives"
-    first = 1 if world == 1 else 2
+    # Parameter offload exists only at ZeRO-3.
+    first = 3 if want_par else 1 if world == 1 else 2
     pinned = copy.deepcopy(params)
     pinned["train"]["zero_stage"] = first
     req = resolve(pinned, None, world=world, gpu_mem_bytes=gpu_mem_bytes)
     if req.gpu_mem_bytes is None:
         return first, want_opt, want_par, f"GPU memory unknown: ZeRO-{first}"
     host = host_mem_bytes if host_mem_bytes is not None else host_memory_bytes()
-    layouts = [(first, False, False), (3, False, False), (3, True, False), (3, True, True)]
+    if world == 1:
+        # ZeRO-3 partitions nothing on one GPU: ZeRO-Offload (ZeRO-2, whose CPU offload is
+        # DeepSpeed's classic and tested path) comes first.
+        layouts = [(1, False, False), (2, True, False), (3, True, False), (3, True, True)]
+    else:
+        layouts = [(2, False, False), (3, False, False), (3, True, False), (3, True, True)]
     reason = ""
     for z, o, p in layouts:
         if (want_opt and not o) or (want_par and not p):

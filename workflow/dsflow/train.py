@@ -263,26 +263,34 @@ def _layout_of(train: dict) -> dict:
     }
 
 
-def check_layout(root: Path, plan: dict) -> None:
-    """Resuming across ZeRO stages or offload settings is not supported (DeepSpeed's universal
-    checkpoints do not load across stages): when the memory layout is the only difference from
-    the run in checkpoints/, say so instead of starting over (e.g. after zero_stage: auto
-    picked another layout on other GPUs)."""
+def saved_layout(root: Path, plan: dict) -> dict | None:
+    """The plan's params in the memory layout of the run in checkpoints/, when that run is this
+    one saved in another layout (ZeRO stage, offload); else None."""
     try:
         previous = json.loads((root / "run.json").read_text())
-        old_train = previous["params"]["train"]
-        old = _layout_of(old_train)
+        old = _layout_of(previous["params"]["train"])
     except (OSError, ValueError, KeyError, TypeError):
-        return
+        return None
     params = copy.deepcopy(plan["params"])
-    new = _layout_of(params["train"])
-    if old == new:
-        return
+    if old == _layout_of(params["train"]):
+        return None
     params["train"]["zero_stage"] = old["zero_stage"]
     params["train"]["offload"].update(old["offload"])
     batch = previous.get("batch", {}).get("global", plan["batch"]["global"])
     if ckpt.fingerprint(params, batch, plan.get("data_sha", "")) != previous.get("fingerprint"):
+        return None
+    return params
+
+
+def check_layout(root: Path, plan: dict) -> None:
+    """Resuming across ZeRO stages or offload settings is not supported (DeepSpeed's universal
+    checkpoints do not load across stages): when the memory layout is the only difference from
+    the run in checkpoints/, say so instead of starting over (`zero_stage: auto` keeps the saved
+    layout instead: see run)."""
+    params = saved_layout(root, plan)
+    if params is None:
         return
+    old, new = _layout_of(params["train"]), _layout_of(plan["params"]["train"])
     then, now = dsconfig.layout(params["train"]), dsconfig.layout(plan["params"]["train"])
     fix = [f"train.zero_stage: {old['zero_stage']}"]
     for key in ("optimizer", "param"):
@@ -296,8 +304,9 @@ def check_layout(root: Path, plan: dict) -> None:
 
 
 def resolve_zero(params: dict, world: int, device: str) -> dict:
-    """`train.zero_stage: auto`: the cheapest memory layout the planner says fits (ZeRO-2, then
-    ZeRO-3, then CPU offload of the optimizer, then of the parameters); params with it set."""
+    """`train.zero_stage: auto`: the cheapest memory layout the planner says fits
+    (plan.auto_layout: ZeRO-2, or ZeRO-1 on one GPU, then ZeRO-3, then CPU offload of the
+    optimizer, then of the parameters); params with it set."""
     if params["train"]["zero_stage"] != "auto":
         return params
     from dsflow import plan as planner
@@ -392,8 +401,19 @@ class SignalForwarder:
 
 def run(params: dict) -> None:
     device, local_ranks = resolve_device(params["train"])
+    auto = params["train"]["zero_stage"] == "auto"
     params = resolve_zero(params, local_ranks * params["train"]["nodes"], device)
     plan = plan_run(params)
+    saved = saved_layout(ckpt.CHECKPOINTS, plan) if auto else None
+    if saved is not None:
+        # A run cannot resume across ZeRO stages or offload settings, and auto picks by the
+        # GPUs at hand (ZeRO-1 on one, ZeRO-2 on several): it keeps the run's layout instead.
+        log.info(
+            "train.zero_stage: auto keeps %s, the layout checkpoints/ holds this run in",
+            dsconfig.layout(saved["train"]),
+        )
+        params = saved
+        plan = plan_run(params)
     if launcher.slurm_fanout(params["train"]):
         _run_on_slurm_nodes(params, plan)
         return

@@ -587,7 +587,7 @@ def main() -> int:
 
     zero3 = ds_config["zero_optimization"].get("stage", 0) == 3
     perf = kernels.Perf(**plan["perf"])  # resolved by the train stage (train.plan_run)
-    kernels.apply(model, perf, balancer, device)
+    perf = kernels.apply(model, perf, balancer, device)
     if rank == 0:
         print(f"[dsflow train] fast paths: {perf.describe()}", file=sys.stderr)
     if zero3 and balancer.routers:
