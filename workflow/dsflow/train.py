@@ -319,7 +319,9 @@ def resolve_zero(params: dict, world: int, device: str) -> dict:
         train["offload"]["optimizer"] = "cpu"
     if par and train["offload"]["param"] == "none":
         train["offload"]["param"] = "cpu"
-    log.info("train.zero_stage: auto -> %s (%s)", dsconfig.layout(train), why)
+    # On CPU auto is always ZeRO-2: nothing worth a line on every run.
+    say = log.info if device == "cuda" else log.debug
+    say("train.zero_stage: auto -> %s (%s)", dsconfig.layout(train), why)
     return params
 
 
