@@ -81,7 +81,7 @@ class Perf:
             f"prefetch {'on' if self.prefetch else 'off'}, "
             f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}, "
             f"fused gradient checks {'on' if self.fused_grad_checks else 'off'}, "
-            f"experts {self.experts}{' where it applies' if self.experts_fallback and self.experts == 'sorted' else ''}, "
+            f"experts {self.experts}{' where it applies' if self.experts_fallback else ''}, "
             f"router hooks {'compiled' if self.hooks_traced else 'eager'}"
         )
 
@@ -121,10 +121,10 @@ def resolve(
                 "set train.perf.ce_chunk: auto or 0, or use bf16"
             )
         ce_chunk = 0
-    # On an H200 the sorted experts with the router hooks traced took a MoE step from 133.2 to
-    # 114.5 ms (docs/performance.md); on CPU HF's own loop stays.
-    # Tested (CPU: 3 ranks; GPU: one) in bf16/fp32 at ZeRO-0/1/2; fp16's loss scaling and
-    # ZeRO-3's parameter gathering around the MoE blocks are not, so there auto keeps HF's.
+    # With the router hooks traced, the sorted experts took an H200's MoE step from 133.2 to
+    # 114.5 ms (docs/performance.md). They are tested (CPU: 3 ranks; GPU: one) in bf16/fp32 at
+    # ZeRO-0/1/2; under fp16's loss scaling and ZeRO-3's parameter gathering they are not, so
+    # there, and on CPU, auto keeps HF's.
     experts_auto = perf.get("experts", "auto") == "auto"
     tested = precision in ("bf16", "fp32") and zero_stage in (0, 1, 2)
     experts = ("sorted" if cuda and tested else "hf") if experts_auto else perf["experts"]
@@ -351,8 +351,7 @@ def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> P
     `perf` as applied: `experts` is HF's where `auto`'s sorted experts did not apply."""
     use_attention(model, perf.attention)
     experts = use_experts(model, perf.experts, perf.experts_fallback)
-    if experts != perf.experts:
-        perf = dataclasses.replace(perf, experts=experts, experts_fallback=False)
+    perf = dataclasses.replace(perf, experts=experts, experts_fallback=False)
     if perf.activation_checkpointing:
         # Non-reentrant: the recomputation keeps autograd for the balancer's aux loss.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
