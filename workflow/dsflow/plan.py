@@ -1312,12 +1312,12 @@ def auto_layout(
     """`train.zero_stage: auto`: (stage, offload optimizer, offload params, why) of the first
     memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
     offload, + parameter offload (one GPU: ZeRO-1, ZeRO-2 + optimizer offload, then ZeRO-3
-    with offload), at the configured micro batch (offload asked for in train.offload is kept). One GPU has nothing to partition, so ZeRO-1 holds what
-    ZeRO-2 does, and there DeepSpeed handles its gradients without a hook per parameter in every
-    backward: faster on one H200 (docs/performance.md). On CPU there is nothing to fit: ZeRO-2
-    (the fewest collectives). When nothing fits, a
-    UsageError names the cheapest strategy that would (smaller micro batch, checkpointing, a
-    smaller preset). Host RAM: `host_mem_bytes`, else this machine's."""
+    with offload), at the configured micro batch (offload asked for in train.offload is kept).
+    One GPU has nothing to partition, so ZeRO-1 holds what ZeRO-2 does, and there DeepSpeed
+    handles its gradients without a hook per parameter in every backward: faster on one H200
+    (docs/performance.md). On CPU there is nothing to fit: ZeRO-2 (the fewest collectives).
+    When nothing fits, a UsageError names the cheapest strategy that would (smaller micro
+    batch, checkpointing, a smaller preset). Host RAM: `host_mem_bytes`, else this machine's."""
     offload = params["train"].get("offload") or {}
     want_opt = offload.get("optimizer", "none") != "none"
     want_par = offload.get("param", "none") != "none"
