@@ -25,9 +25,9 @@
   dispatch (repeated rows: each token goes to k experts), the routing weights and the
   un-permutation. Each slot of the sort is one (token, k) pair, so the inverse permutation
   turns every scatter into a gather and a sum over a token's k rows. The same fp32 combine of
-  the k weighted outputs as HF. `auto` = sorted on CUDA (HF's experts where it does not
-  apply: a GPU below SM80, another experts layout), HF's on CPU: with the hooks traced, 1.16x
-  the MoE step on one H200 (docs/performance.md).
+  the k weighted outputs as HF. `auto` = sorted on CUDA in bf16/fp32 at ZeRO-0/1/2 (HF's
+  experts elsewhere, and on a GPU below SM80 or for another experts layout), HF's on CPU:
+  with the hooks traced, 1.16x the MoE step on one H200 (docs/performance.md).
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
   the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
   micro batch, at the price of one more forward (off by default: it is slower at a given batch).
