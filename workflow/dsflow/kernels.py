@@ -307,41 +307,34 @@ def use_experts(model: Any, experts: str, fallback: bool = False) -> str:
         return "hf"
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    if fallback and not sorted_experts_apply(model):
-        return "hf"
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+    refusal = _sorted_experts_refusal(model)
+    if refusal is not None:
+        if fallback:
+            return "hf"
         raise UsageError(
-            "train.perf.experts: sorted needs torch's grouped GEMM (a GPU of compute capability "
-            "8.0 or newer); set train.perf.experts: auto or hf"
+            f"train.perf.experts: sorted {refusal}; set train.perf.experts: auto or hf"
         )
-    for module in model.modules():
-        if _unsupported_layout(module):
-            raise UsageError(
-                f"train.perf.experts: sorted does not support {type(module).__name__}'s layout "
-                "(biases, transposed weights, a post-expert norm or expert parallelism); "
-                "set train.perf.experts: auto or hf"
-            )
-
     ALL_EXPERTS_FUNCTIONS.register(SORTED_EXPERTS, sorted_experts_forward)
     model.set_experts_implementation(SORTED_EXPERTS)
     return "sorted"
 
 
-def _unsupported_layout(module: Any) -> bool:
-    # DeepseekV3Experts' layout; other HF experts may carry biases, transposed weights,
-    # a post-expert norm or expert-parallel sentinel rows, which this path does not do.
-    return hasattr(module, "gate_up_proj") and any(
-        getattr(module, flag, False)
-        for flag in ("has_bias", "is_transposed", "has_post_expert_norm", "_is_expert_parallel")
-    )
-
-
-def sorted_experts_apply(model: Any) -> bool:
-    """Whether the sorted experts can run this model here: torch's grouped GEMM (CPU, or a GPU
-    of compute capability 8.0+) and DeepseekV3Experts' weight layout."""
+def _sorted_experts_refusal(model: Any) -> str | None:
+    """Why the sorted experts cannot run this model here (the rest of a one-line message), or
+    None: they need torch's grouped GEMM (CPU, or a GPU of compute capability 8.0+) and
+    DeepseekV3Experts' weight layout."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
-        return False
-    return not any(_unsupported_layout(m) for m in model.modules())
+        return "needs torch's grouped GEMM (a GPU of compute capability 8.0 or newer)"
+    # Other HF experts may carry biases, transposed weights, a post-expert norm or
+    # expert-parallel sentinel rows, which this path does not do.
+    flags = ("has_bias", "is_transposed", "has_post_expert_norm", "_is_expert_parallel")
+    for module in model.modules():
+        if hasattr(module, "gate_up_proj") and any(getattr(module, f, False) for f in flags):
+            return (
+                f"does not support {type(module).__name__}'s layout (biases, transposed "
+                "weights, a post-expert norm or expert parallelism)"
+            )
+    return None
 
 
 def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> Perf:

@@ -1082,8 +1082,7 @@ def resolve(
         accum = train["grad_accum"] or 1
     zero = _arg(args, "zero")
     if zero is None and train["zero_stage"] == "auto":
-        param_offload = (train.get("offload") or {}).get("param", "none") != "none"
-        zero = 3 if param_offload else 1 if world == 1 else 2
+        zero = auto_first_stage(train, world)
         notes.append(
             f"train.zero_stage: auto: planned as ZeRO-{zero}; the train stage picks the "
             "cheapest layout that fits (see cheapest fit)"
@@ -1302,6 +1301,15 @@ def run(params: dict, args: Any = None) -> None:
         f.write("\n")
 
 
+def auto_first_stage(train: dict, world: int) -> int:
+    """The first ZeRO stage `train.zero_stage: auto` tries on GPUs: ZeRO-2, ZeRO-1 on one GPU
+    (nothing to partition there, and no per-parameter gradient hooks), ZeRO-3 with parameter
+    offload (it exists only there)."""
+    if (train.get("offload") or {}).get("param", "none") != "none":
+        return 3
+    return 1 if world == 1 else 2
+
+
 def auto_layout(
     params: dict,
     world: int,
@@ -1324,8 +1332,7 @@ def auto_layout(
     if device_type != "cuda":
         stage = 3 if want_par else 2
         return stage, want_opt, want_par, "a CPU run: no GPU memory to fit, the fewest collectives"
-    # Parameter offload exists only at ZeRO-3.
-    first = 3 if want_par else 1 if world == 1 else 2
+    first = auto_first_stage(params["train"], world)
     pinned = copy.deepcopy(params)
     pinned["train"]["zero_stage"] = first
     req = resolve(pinned, None, world=world, gpu_mem_bytes=gpu_mem_bytes)
