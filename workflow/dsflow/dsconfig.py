@@ -137,6 +137,17 @@ def build(train: dict, batch: Batch, steps: int, device_type: str) -> dict:
     return cfg
 
 
+def for_client_optimizer(cfg: dict) -> dict:
+    """The config for dsflow's fused optimizer (train.perf.optimizer: fused, dsflow.masteradam):
+    the model is cast to bf16 by dsflow and the optimizer keeps the fp32 masters and clips, so
+    DeepSpeed gets no optimizer section, no bf16 wrapper and no clipping of its own (it would
+    clip the bf16 gradients in bf16). The scheduler section stays: it drives the client
+    optimizer's learning rate."""
+    cfg = {k: v for k, v in cfg.items() if k not in ("optimizer", "bf16")}
+    cfg["gradient_clipping"] = 0.0
+    return cfg
+
+
 def check_offload(train: dict, device_type: str) -> None:
     """What DeepSpeed 0.19 accepts, checked before launch (DeepSpeed fails late and obscurely)."""
     stage, off = train["zero_stage"], train["offload"]

@@ -28,6 +28,10 @@
   the k weighted outputs as HF. `auto` = sorted on CUDA in bf16/fp32 at ZeRO-0/1/2 (HF's
   experts elsewhere, and on a GPU below SM80 or for another experts layout), HF's on CPU:
   with the hooks traced, 1.16x the MoE step on one H200 (docs/performance.md).
+- `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.masteradam) instead of
+  DeepSpeed's bf16 optimizer wrapper: one pass over memory per tensor for the whole step, no
+  copies of the gradients into fp32 buffers. ZeRO-0 in bf16 only (it partitions nothing), which
+  is what `zero_stage: auto` picks on one GPU; `auto` = fused on CUDA where it applies.
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
   the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
   micro batch, at the price of one more forward (off by default: it is slower at a given batch).
@@ -67,6 +71,7 @@ class Perf:
     compile_router_hooks: bool = True  # trace the balancer's router hooks into the graphs
     # experts: auto chose sorted: keep HF's experts where sorted does not apply, not an error
     experts_fallback: bool = False
+    optimizer: str = "deepspeed"  # "deepspeed" | "fused" (dsflow.masteradam, ZeRO-0 bf16)
 
     @property
     def hooks_traced(self) -> bool:
@@ -82,7 +87,8 @@ class Perf:
             f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}, "
             f"fused gradient checks {'on' if self.fused_grad_checks else 'off'}, "
             f"experts {self.experts}{' where it applies' if self.experts_fallback else ''}, "
-            f"router hooks {'compiled' if self.hooks_traced else 'eager'}"
+            f"router hooks {'compiled' if self.hooks_traced else 'eager'}, "
+            f"optimizer {'fused AdamW (fp32 masters)' if self.optimizer == 'fused' else 'DeepSpeed'}"
         )
 
 
@@ -139,7 +145,25 @@ def resolve(
         experts=experts,
         experts_fallback=experts_auto and experts == "sorted",
         compile_router_hooks=bool(perf.get("compile_router_hooks", True)),
+        optimizer=optimizer_choice(perf, zero_stage, precision, optimizer_offload, cuda),
     )
+
+
+def optimizer_choice(
+    perf: dict, zero_stage: int, precision: str, optimizer_offload: bool, cuda: bool
+) -> str:
+    """`train.perf.optimizer`: dsflow's fused AdamW where it applies (ZeRO-0, bf16, the
+    optimizer on the device), which `auto` takes on CUDA; DeepSpeed's elsewhere."""
+    value = perf.get("optimizer", "auto")
+    fits = zero_stage == 0 and precision == "bf16" and not optimizer_offload
+    if value == "auto":
+        return "fused" if fits and cuda else "deepspeed"
+    if value == "fused" and not fits:
+        raise UsageError(
+            "train.perf.optimizer: fused needs train.zero_stage 0 and train.precision bf16 "
+            f"(this run has ZeRO-{zero_stage}, {precision}); set it to auto or deepspeed"
+        )
+    return value
 
 
 def fused_grad_checks(

@@ -1302,12 +1302,18 @@ def run(params: dict, args: Any = None) -> None:
 
 
 def auto_first_stage(train: dict, world: int) -> int:
-    """The first ZeRO stage `train.zero_stage: auto` tries on GPUs: ZeRO-2, ZeRO-1 on one GPU
-    (nothing to partition there, and no per-parameter gradient hooks), ZeRO-3 with parameter
-    offload (it exists only there)."""
-    if (train.get("offload") or {}).get("param", "none") != "none":
+    """The first ZeRO stage `train.zero_stage: auto` tries on GPUs: ZeRO-2; on one GPU, where
+    there is nothing to partition, ZeRO-0 for dsflow's fused optimizer (bf16,
+    train.perf.optimizer auto or fused), else ZeRO-1 (no per-parameter gradient hooks);
+    ZeRO-3 with parameter offload (it exists only there)."""
+    offload = train.get("offload") or {}
+    if offload.get("param", "none") != "none":
         return 3
-    return 1 if world == 1 else 2
+    if world > 1:
+        return 2
+    fused = (train.get("perf") or {}).get("optimizer", "auto") in ("auto", "fused")
+    alone = train.get("precision") == "bf16" and offload.get("optimizer", "none") == "none"
+    return 0 if fused and alone else 1
 
 
 def auto_layout(
@@ -1319,11 +1325,12 @@ def auto_layout(
 ) -> tuple[int, bool, bool, str]:
     """`train.zero_stage: auto`: (stage, offload optimizer, offload params, why) of the first
     memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
-    offload, + parameter offload (one GPU: ZeRO-1, ZeRO-2 + optimizer offload, then ZeRO-3
-    with offload), at the configured micro batch (offload asked for in train.offload is kept).
-    One GPU has nothing to partition, so ZeRO-1 holds what ZeRO-2 does, and there DeepSpeed
-    handles its gradients without a hook per parameter in every backward: faster on one H200
-    (docs/performance.md). On CPU there is nothing to fit: ZeRO-2 (the fewest collectives).
+    offload, + parameter offload (one GPU: ZeRO-0 with dsflow's fused optimizer in bf16, else
+    ZeRO-1; then ZeRO-2 + optimizer offload, then ZeRO-3 with offload), at the configured micro
+    batch (offload asked for in train.offload is kept). One GPU has nothing to partition, so
+    ZeRO-0/1 hold what ZeRO-2 does; ZeRO-1 handles its gradients without a hook per parameter
+    in every backward, and ZeRO-0 lets dsflow's optimizer take the whole step in one pass:
+    each faster on one H200 (docs/performance.md). On CPU there is nothing to fit: ZeRO-2 (the fewest collectives).
     When nothing fits, a UsageError names the cheapest strategy that would (smaller micro
     batch, checkpointing, a smaller preset). Host RAM: `host_mem_bytes`, else this machine's."""
     offload = params["train"].get("offload") or {}
@@ -1342,7 +1349,7 @@ def auto_layout(
     if world == 1:
         # ZeRO-3 partitions nothing on one GPU: ZeRO-Offload (ZeRO-2, whose CPU offload is
         # DeepSpeed's classic and tested path) comes first.
-        layouts = [(1, False, False), (2, True, False), (3, True, False), (3, True, True)]
+        layouts = [(first, False, False), (2, True, False), (3, True, False), (3, True, True)]
     else:
         layouts = [(2, False, False), (3, False, False), (3, True, False), (3, True, True)]
     reason = ""
@@ -1355,7 +1362,10 @@ def auto_layout(
         fits, reason = verdict(est, req.gpu_mem_bytes, host)
         if fits:
             gb = f"{_gb(est['gpu']['total']):.1f} of {_gb(req.gpu_mem_bytes):.1f} GB per GPU"
-            alone = " (one GPU: ZeRO-1, no gradient hooks)" if z == 1 else ""
+            alone = {
+                0: " (one GPU: ZeRO-0, dsflow's fused optimizer)",
+                1: " (one GPU: ZeRO-1, no gradient hooks)",
+            }.get(z, "")
             return z, o, p, f"the planner's cheapest fit{alone}: {gb}"
     rows = cheapest_fit(
         req.config,

@@ -122,6 +122,8 @@ def plan_run(params: dict) -> dict:
         optimizer_offload=dsconfig.offload_device(ds_config["zero_optimization"], "optimizer")
         != "none",
     )
+    if perf.optimizer == "fused":
+        ds_config = dsconfig.for_client_optimizer(ds_config)
     # Every shard's sha256 is checked here, once, so a corrupted shard is one line naming the
     # file, not a traceback from every rank (the ranks then skip the check).
     shards = ":".join(

@@ -35,6 +35,7 @@ from dsflow.balance import ExpertBalancer
 from dsflow.data import BatchLoader, ShardReader
 from dsflow.flops import flops_per_token, mfu, peak_flops
 from dsflow.lm import TrainingLM, evaluate_loss
+from dsflow.masteradam import MasterAdamW
 from dsflow.model import build_model, model_config, param_counts
 
 SHARDS = Path("data/shards")
@@ -616,11 +617,28 @@ def main() -> int:
         ds_ckpt.UNIVERSAL_CHECKPOINT_INFO,
         {ds_ckpt.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds_ckpt.UNIVERSAL_CHECKPOINT_VERSION_VALUE},
     )
+    trainable = [p for p in trainee.parameters() if p.requires_grad]
+    optimizer = None
+    if perf.optimizer == "fused":
+        # DeepSpeed's bf16 mode would cast the parameters (not the buffers) and wrap its own
+        # optimizer; here dsflow casts them the same way and brings the optimizer.
+        for p in trainee.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        opt = train["optimizer"]
+        optimizer = MasterAdamW(
+            trainable,
+            lr=opt["lr"],
+            betas=tuple(opt["betas"]),
+            eps=opt["eps"],
+            weight_decay=opt["weight_decay"],
+            max_grad_norm=train["grad_clip"],
+        )
     engine, _, _, _ = deepspeed.initialize(
-        model=trainee,
-        model_parameters=[p for p in trainee.parameters() if p.requires_grad],
-        config=ds_config,
+        model=trainee, model_parameters=trainable, optimizer=optimizer, config=ds_config
     )
+    if optimizer is not None and world == 1:
+        # ZeRO-0's all-reduce of one rank would only copy every gradient into buckets and back.
+        engine.enable_backward_allreduce = False
     if perf.fused_grad_checks and not fusedgrads.install(engine.optimizer) and rank == 0:
         print(
             "[dsflow train] train.perf.fused_grad_checks: not applicable to this layout "

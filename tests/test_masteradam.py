@@ -1,0 +1,168 @@
+"""dsflow's fused AdamW with fp32 master weights (train.perf.optimizer: fused): DeepSpeed's bf16
+step, in one pass. On CPU its update is torch's AdamW, the one DeepSpeed runs there."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from conftest import dsflow, tiny_run, update_params
+from dsflow.masteradam import MasterAdamW
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def nets():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    masters = copy.deepcopy(net)
+    for p in net.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    for p, q in zip(net.parameters(), masters.parameters(), strict=True):
+        q.data.copy_(p.data.float())
+    return net, masters
+
+
+def backward(net, seed):
+    torch.manual_seed(seed)
+    x = torch.randn(8, 16).bfloat16()
+    net(x).float().pow(2).mean().mul(50).backward()
+
+
+def test_steps_are_deepspeeds_bf16_steps_bit_for_bit():
+    """The reference is what DeepSpeed's bf16 ZeRO step does with torch's AdamW: the bf16
+    gradients copied to fp32, multiplied by 1 / max(1, (norm + 1e-6) / max_norm), AdamW on the
+    fp32 masters, the weights their bf16 rounding. Clipping is active (norm > max_norm)."""
+    net, masters = nets()
+    opt = MasterAdamW(list(net.parameters()), max_grad_norm=0.5, **HYPER)
+    ref = torch.optim.AdamW(list(masters.parameters()), **HYPER)
+    clipped = 0
+    for step in range(6):
+        backward(net, step)
+        grads = [p.grad for p in net.parameters()]
+        norm = torch.linalg.vector_norm(
+            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        )
+        combined = (norm + 1e-6) / 0.5
+        clipped += bool(combined > 1)
+        combined = combined if combined > 1 else torch.ones(())
+        for g, q in zip(grads, masters.parameters(), strict=True):
+            q.grad = g.float().mul_(1.0 / combined)
+        ref.step()
+        opt.step()
+        opt.zero_grad()
+        assert not opt.overflow and float(opt._global_grad_norm) == float(norm)
+    assert clipped >= 3
+    for i, (p, q) in enumerate(zip(net.parameters(), masters.parameters(), strict=True)):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q.to(torch.bfloat16))
+        assert torch.equal(opt._view(0, "master", i), q)
+
+
+def test_a_non_finite_gradient_skips_the_step_and_leaves_the_state():
+    net, _ = nets()
+    opt = MasterAdamW(list(net.parameters()), max_grad_norm=1.0, **HYPER)
+    backward(net, 0)
+    opt.step()
+    opt.zero_grad()
+    before = copy.deepcopy(opt.state_dict())
+    weights = [p.clone() for p in net.parameters()]
+    backward(net, 1)
+    next(net.parameters()).grad[0, 0] = float("nan")
+    opt.step()
+    assert opt.overflow
+    after = opt.state_dict()
+    assert after["state"][0]["step"] == before["state"][0]["step"] == 1
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(after["state"][0][key], before["state"][0][key])
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), weights, strict=True))
+    opt.zero_grad()
+    backward(net, 2)
+    opt.step()
+    assert not opt.overflow and opt.state_dict()["state"][0]["step"] == 2
+
+
+def test_state_round_trips_and_restores_the_weights():
+    net, _ = nets()
+    opt = MasterAdamW(list(net.parameters()), max_grad_norm=1.0, **HYPER)
+    for step in range(3):
+        backward(net, step)
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    other, _ = nets()  # the weights at step 0: load_state_dict sets them from the masters
+    again = MasterAdamW(list(other.parameters()), max_grad_norm=1.0, lr=1.0)
+    again.load_state_dict(saved)
+    assert again.param_groups[0]["lr"] == HYPER["lr"]
+    assert all(torch.equal(a, b) for a, b in zip(other.parameters(), net.parameters(), strict=True))
+    for model, o in ((net, opt), (other, again)):
+        backward(model, 9)
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(other.parameters(), net.parameters(), strict=True))
+    with pytest.raises(ValueError, match="not MasterAdamW"):
+        again.load_state_dict(torch.optim.AdamW(net.parameters()).state_dict())
+
+
+def test_perf_optimizer_resolves_where_it_applies():
+    from dsflow.errors import UsageError
+    from dsflow.kernels import optimizer_choice
+
+    assert optimizer_choice({}, 0, "bf16", False, cuda=True) == "fused"
+    assert optimizer_choice({}, 0, "bf16", False, cuda=False) == "deepspeed"
+    assert optimizer_choice({}, 1, "bf16", False, cuda=True) == "deepspeed"
+    assert optimizer_choice({}, 0, "fp32", False, cuda=True) == "deepspeed"
+    assert optimizer_choice({"optimizer": "fused"}, 0, "bf16", False, cuda=False) == "fused"
+    with pytest.raises(UsageError, match="train.perf.optimizer: fused needs"):
+        optimizer_choice({"optimizer": "fused"}, 2, "bf16", False, cuda=True)
+
+
+def losses(repo):
+    rows = (repo / "dvclive/plots/metrics/train/loss.tsv").read_text().splitlines()[1:]
+    return {int(r.split("\t")[0]): float(r.split("\t")[1]) for r in rows}
+
+
+def run(prepared, dest, gpus, env=None, check=True, **train):
+    import shutil
+
+    if not dest.exists():
+        shutil.copytree(prepared, dest)
+    overlay = tiny_run(gpus, 10, precision="bf16", checkpoint_every=4, **train)
+    overlay["train"]["optimizer"] = {"lr": 3e-3}
+    overlay["train"]["schedule"] = {"warmup_steps": 2}
+    update_params(dest, overlay)
+    return dsflow("train", cwd=dest, env=env or {}, check=check, timeout=900)
+
+
+FUSED = {"zero_stage": 0, "perf": {"optimizer": "fused"}}
+
+
+@pytest.mark.slow
+def test_fused_optimizer_trains_deepspeeds_curve_and_resumes_exactly(prepared, tmp_path):
+    """One rank, bf16: ZeRO-0 with the fused optimizer takes DeepSpeed's ZeRO-1 steps (its
+    bf16 optimizer and AdamW), bit for bit. Without clipping: the gradient norm's fp32 sums run
+    in another order in each (last-digit differences), which clipping would carry into the
+    weights' bf16 rounding; the clipping itself is checked bit for bit above. Three ranks
+    (DeepSpeed's all-reduce, clipping on): a run killed after its step-4 checkpoint resumes to
+    the uninterrupted run's losses, bit for bit."""
+    ds = tmp_path / "deepspeed"
+    run(prepared, ds, 1, zero_stage=1, grad_clip=0.0, perf={"optimizer": "deepspeed"})
+    fused = tmp_path / "fused"
+    proc = run(prepared, fused, 1, grad_clip=0.0, **FUSED)
+    assert "optimizer fused AdamW" in proc.stderr
+    a, b = losses(ds), losses(fused)
+    assert sorted(a) == list(range(1, 11)) and a[10] < a[1] - 0.5
+    assert a == b
+    config = json.loads((fused / "checkpoints/ds_config.json").read_text())
+    assert "bf16" not in config and "optimizer" not in config
+    assert config["zero_optimization"]["stage"] == 0 and config["gradient_clipping"] == 0
+
+    full = tmp_path / "full"
+    run(prepared, full, 3, **FUSED)
+    killed = tmp_path / "killed"
+    fault = {"DSFLOW_FAULT_STEP": "6", "DSFLOW_FAULT_RANK": "2"}
+    assert run(prepared, killed, 3, env=fault, check=False, **FUSED).returncode == 2
+    assert (killed / "checkpoints/latest").read_text().strip() == "step00000004"
+    assert "resumed from step 4" in run(prepared, killed, 3, **FUSED).stderr
+    assert losses(killed) == losses(full)

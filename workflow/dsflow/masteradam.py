@@ -1,0 +1,256 @@
+"""AdamW for 16-bit weights with fp32 master weights, in one pass over memory per tensor.
+
+DeepSpeed's bf16 optimizers (ZeRO-1/2's, and the FP16_Optimizer that wraps ZeRO-0) take a
+step in five passes over all parameters: the bf16 gradients are copied into an fp32 flat
+buffer, scaled by the clip coefficient, Adam reads and writes the fp32 master weights and
+moments, the masters are copied back into the bf16 weights, and those are flattened or
+gathered. In backward, ZeRO-1/2 and ZeRO-0's all-reduce copy every gradient into buckets too.
+For a MoE model, whose parameters are many times its activated ones, that traffic is a large
+part of the step: 18 ms of a 111 ms MoE step on an H200 (docs/performance.md).
+
+`MasterAdamW` keeps the fp32 master weights, exp_avg and exp_avg_sq itself (flat buffers per
+parameter group, one view per parameter) and does the step in one kernel per tensor that reads
+the bf16 gradient, scales it, updates master and moments and writes the bf16 weight: 28 bytes
+per parameter, the same as fp32 Adam alone. The gradient norm is one multi-tensor launch
+(`_foreach_norm`, fp32). It runs under DeepSpeed at ZeRO-0 as a client optimizer, with
+DeepSpeed's bf16 wrapper and gradient clipping off (this class clips, from the same norm),
+selected by `train.perf.optimizer` (dsflow.kernels).
+
+The math is DeepSpeed's bf16 ZeRO step: the fp32 gradient is multiplied by 1 / max(1, (norm +
+1e-6) / max_norm); a step whose gradient norm is inf/NaN is skipped (`overflow`, which the
+engine reads: no scheduler step either) and leaves master, moments and step count untouched.
+On CUDA the update is a Triton kernel with FusedAdam's formula (AdamW mode, IEEE division and
+square root); elsewhere it is torch's AdamW (`torch.optim.adam.adam`, decoupled weight decay),
+the optimizer DeepSpeed runs on CPU (`torch_adam`), so a CPU run matches DeepSpeed's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FORMAT = "dsflow.MasterAdamW/1"
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+    ):
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.overflow = False
+        self._global_grad_norm = None
+        self._flat: list[dict] = []
+        for group in self.param_groups:
+            ps = group["params"]
+            numel = sum(p.numel() for p in ps)
+            device = ps[0].device
+            master = torch.empty(numel, dtype=torch.float32, device=device)
+            flat = {
+                "step": 0,
+                "master": master,
+                "exp_avg": torch.zeros_like(master),
+                "exp_avg_sq": torch.zeros_like(master),
+            }
+            offset = 0
+            views = []
+            for p in ps:
+                n = p.numel()
+                views.append((offset, n))
+                master[offset : offset + n].copy_(p.detach().reshape(-1))
+                offset += n
+            flat["views"] = views
+            self._flat.append(flat)
+
+    def _view(self, gi: int, key: str, i: int) -> torch.Tensor:
+        flat = self._flat[gi]
+        offset, n = flat["views"][i]
+        return flat[key][offset : offset + n].view(self.param_groups[gi]["params"][i].shape)
+
+    def _grads(self) -> list[list[torch.Tensor]]:
+        return [
+            [p.grad if p.grad is not None else torch.zeros_like(p) for p in group["params"]]
+            for group in self.param_groups
+        ]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "MasterAdamW takes no closure"
+        grads = self._grads()
+        flat_grads = [g for gs in grads for g in gs]
+        norms = torch._foreach_norm(flat_grads, 2, dtype=torch.float32)
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        self._global_grad_norm = total
+        # The one host sync of a step: the engine needs to know now whether it was applied.
+        self.overflow = not bool(torch.isfinite(total))
+        if self.overflow:
+            return None
+        # DeepSpeed's unscale_and_clip_grads (loss scale 1 in bf16), in fp32 on the device.
+        combined = torch.ones((), dtype=torch.float32, device=total.device)
+        if self.max_grad_norm > 0:
+            clip = (total + 1e-6) / self.max_grad_norm
+            combined = torch.where(clip > 1, clip, combined)
+        scale = 1.0 / combined
+        for gi, group in enumerate(self.param_groups):
+            flat = self._flat[gi]
+            flat["step"] += 1
+            if group["params"][0].device.type == "cuda":
+                self._step_cuda(gi, group, grads[gi], scale)
+            else:
+                self._step_torch(gi, group, grads[gi], scale)
+        return None
+
+    def _step_torch(self, gi, group, grads, scale) -> None:
+        from torch.optim.adam import adam
+
+        ps = group["params"]
+        masters = [self._view(gi, "master", i) for i in range(len(ps))]
+        exp_avgs = [self._view(gi, "exp_avg", i) for i in range(len(ps))]
+        exp_avg_sqs = [self._view(gi, "exp_avg_sq", i) for i in range(len(ps))]
+        g32 = [g.float().mul_(scale) for g in grads]
+        # torch's Adam advances each tensor's step count itself: from the last one.
+        steps = [torch.tensor(float(self._flat[gi]["step"] - 1)) for _ in ps]
+        beta1, beta2 = group["betas"]
+        adam(
+            masters,
+            g32,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=None,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+        for p, w in zip(ps, masters, strict=True):
+            p.copy_(w)
+
+    def _step_cuda(self, gi, group, grads, scale) -> None:
+        kernel = _cuda_kernel()
+        beta1, beta2 = group["betas"]
+        step = self._flat[gi]["step"]
+        bc1 = 1.0 - math.pow(beta1, step)
+        bc2 = 1.0 - math.pow(beta2, step)
+        ps = group["params"]
+        # Largest first: while the GPU works through them, the host launches the small ones.
+        order = sorted(range(len(ps)), key=lambda i: -ps[i].numel())
+        for i in order:
+            p, g = ps[i], grads[i]
+            n = p.numel()
+            grid = (triton_cdiv(n, BLOCK),)
+            kernel[grid](
+                p,
+                g,
+                self._view(gi, "master", i),
+                self._view(gi, "exp_avg", i),
+                self._view(gi, "exp_avg_sq", i),
+                scale,
+                n,
+                group["lr"],
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                bc1,
+                bc2,
+                BLOCK=BLOCK,
+            )
+
+    def state_dict(self) -> dict:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        state = [
+            {k: flat[k] for k in ("step", "master", "exp_avg", "exp_avg_sq")} for flat in self._flat
+        ]
+        return {"format": FORMAT, "param_groups": groups, "state": state}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("format") != FORMAT:
+            raise ValueError(
+                "this checkpoint's optimizer state is not MasterAdamW's (train.perf.optimizer "
+                "differs from the run that saved it)"
+            )
+        if len(state_dict["state"]) != len(self._flat):
+            raise ValueError("MasterAdamW state: the number of parameter groups differs")
+        for gi, (flat, saved) in enumerate(zip(self._flat, state_dict["state"], strict=True)):
+            if saved["master"].numel() != flat["master"].numel():
+                raise ValueError(f"MasterAdamW state: parameter group {gi} has another size")
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                flat[key].copy_(saved[key])
+            flat["step"] = int(saved["step"])
+            self.param_groups[gi].update(state_dict["param_groups"][gi])
+            # The 16-bit weights are the masters rounded: what they were when saved.
+            for i, p in enumerate(self.param_groups[gi]["params"]):
+                p.copy_(self._view(gi, "master", i))
+
+
+BLOCK = 2048
+
+
+def triton_cdiv(n: int, d: int) -> int:
+    return (n + d - 1) // d
+
+
+_KERNEL = None
+
+
+def _cuda_kernel():
+    """The Triton kernel, built on first use (Triton exists only with CUDA builds)."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw_master(
+        p_ptr,
+        g_ptr,
+        w_ptr,
+        m_ptr,
+        v_ptr,
+        scale_ptr,
+        n,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        decay,
+        bc1,
+        bc2,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        scale = tl.load(scale_ptr)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        # DeepSpeed's multi_tensor_adam.cu, ADAM_MODE_1 (AdamW), in fp32.
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        denom = tl.sqrt_rn(tl.div_rn(v, bc2)) + eps
+        update = tl.div_rn(tl.div_rn(m, bc1), denom) + decay * w
+        w = w - lr * update
+        tl.store(w_ptr + offs, w, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        tl.store(p_ptr + offs, w.to(p_ptr.dtype.element_ty), mask=mask)
+
+    _KERNEL = adamw_master
+    return _KERNEL
