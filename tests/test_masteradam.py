@@ -166,3 +166,16 @@ def test_fused_optimizer_trains_deepspeeds_curve_and_resumes_exactly(prepared, t
     assert (killed / "checkpoints/latest").read_text().strip() == "step00000004"
     assert "resumed from step 4" in run(prepared, killed, 3, **FUSED).stderr
     assert losses(killed) == losses(full)
+
+
+def test_masters_come_from_the_weights_at_the_first_step():
+    """DeepSpeed moves the model to its device and broadcasts rank 0's weights after the
+    optimizer is built: the masters must be taken from the weights as they are then."""
+    net, _ = nets()
+    opt = MasterAdamW(list(net.parameters()), lr=0.0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.fill_(0.5)
+    backward(net, 0)
+    opt.step()
+    assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in net.parameters())

@@ -48,30 +48,37 @@ class MasterAdamW(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.overflow = False
         self._global_grad_norm = None
+        # Built at first use: DeepSpeed moves the model to its device after this constructor.
         self._flat: list[dict] = []
+
+    @torch.no_grad()
+    def _state(self) -> list[dict]:
+        """The flat fp32 masters and moments per group, on the parameters' device, the masters
+        from the weights as they are at first use."""
+        if self._flat:
+            return self._flat
         for group in self.param_groups:
             ps = group["params"]
             numel = sum(p.numel() for p in ps)
-            device = ps[0].device
-            master = torch.empty(numel, dtype=torch.float32, device=device)
-            flat = {
-                "step": 0,
-                "master": master,
-                "exp_avg": torch.zeros_like(master),
-                "exp_avg_sq": torch.zeros_like(master),
-            }
-            offset = 0
-            views = []
+            master = torch.empty(numel, dtype=torch.float32, device=ps[0].device)
+            views, offset = [], 0
             for p in ps:
-                n = p.numel()
-                views.append((offset, n))
-                master[offset : offset + n].copy_(p.detach().reshape(-1))
-                offset += n
-            flat["views"] = views
-            self._flat.append(flat)
+                views.append((offset, p.numel()))
+                master[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+                offset += p.numel()
+            self._flat.append(
+                {
+                    "step": 0,
+                    "master": master,
+                    "exp_avg": torch.zeros_like(master),
+                    "exp_avg_sq": torch.zeros_like(master),
+                    "views": views,
+                }
+            )
+        return self._flat
 
     def _view(self, gi: int, key: str, i: int) -> torch.Tensor:
-        flat = self._flat[gi]
+        flat = self._state()[gi]
         offset, n = flat["views"][i]
         return flat[key][offset : offset + n].view(self.param_groups[gi]["params"][i].shape)
 
@@ -100,7 +107,7 @@ class MasterAdamW(torch.optim.Optimizer):
             combined = torch.where(clip > 1, clip, combined)
         scale = 1.0 / combined
         for gi, group in enumerate(self.param_groups):
-            flat = self._flat[gi]
+            flat = self._state()[gi]
             flat["step"] += 1
             if group["params"][0].device.type == "cuda":
                 self._step_cuda(gi, group, grads[gi], scale)
@@ -173,7 +180,8 @@ class MasterAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         state = [
-            {k: flat[k] for k in ("step", "master", "exp_avg", "exp_avg_sq")} for flat in self._flat
+            {k: flat[k] for k in ("step", "master", "exp_avg", "exp_avg_sq")}
+            for flat in self._state()
         ]
         return {"format": FORMAT, "param_groups": groups, "state": state}
 
@@ -184,7 +192,7 @@ class MasterAdamW(torch.optim.Optimizer):
                 "this checkpoint's optimizer state is not MasterAdamW's (train.perf.optimizer "
                 "differs from the run that saved it)"
             )
-        if len(state_dict["state"]) != len(self._flat):
+        if len(state_dict["state"]) != len(self._state()):
             raise ValueError("MasterAdamW state: the number of parameter groups differs")
         for gi, (flat, saved) in enumerate(zip(self._flat, state_dict["state"], strict=True)):
             if saved["master"].numel() != flat["master"].numel():
