@@ -19,7 +19,8 @@ the same data, seed, batch and sequence length) twice:
   train.zero's auto has it on one rank, `zero1-hooks` with them) or DeepSpeed's overlap_comm
   off (`no-overlap`); the MoE levers off: `hf-experts` (train.perf.experts: hf), `eager-hooks`
   (train.perf.compile_router_hooks: false); `sorted-experts`, `compiled-hooks` and
-  `sorted-compiled-hooks` turn them on (defaults since the sixth session, opt-in before).
+  `sorted-compiled-hooks` turn them on (defaults since the sixth session, opt-in before);
+  `fused-optimizer` (train.perf.optimizer: fused, at ZeRO-0: opt-in, measured slower so far).
 
 - noise, noise-ce: the baseline with one exact change of kernel each (flash attention on
   zero-padded V; the chunked lm_head + cross-entropy), which measure bf16 noise: how far curves
@@ -97,9 +98,9 @@ VARIANTS = {
     "zero1": {"zero_stage": 1},
     "zero1-hooks": {"zero_stage": 1, "zero": {"overlap_comm": True, "contiguous_gradients": True}},
     "zero0": {"zero_stage": 0},
-    # DeepSpeed's bf16 optimizer instead of dsflow's fused one (the default since the seventh
-    # session): with zero_stage auto that is ZeRO-1 on one GPU, the sixth session's default
-    "ds-optimizer": {"perf": {"optimizer": "deepspeed"}},
+    # dsflow's fused AdamW with fp32 masters instead of DeepSpeed's bf16 optimizer (opt-in);
+    # with zero_stage auto that is ZeRO-0 on one GPU
+    "fused-optimizer": {"perf": {"optimizer": "fused"}},
     "no-overlap": {"zero": {"overlap_comm": False}},
     "cudagraphs": {"perf": {"compile_mode": "reduce-overhead"}},
 }

@@ -176,12 +176,14 @@ def test_fused_optimizer_kernel_takes_fusedadams_step():
 @pytest.mark.cuda
 @requires_cuda
 def test_cuda_fused_optimizer_trains_like_deepspeeds(prepared, tmp_path):
-    """One GPU, bf16, the defaults (zero_stage auto picks ZeRO-0 for the fused optimizer)
-    against DeepSpeed's ZeRO-1 optimizer: the same curve within bf16 rounding, no step
-    skipped."""
+    """One GPU, bf16, the fast paths' defaults with the fused optimizer (zero_stage auto then
+    picks ZeRO-0) against DeepSpeed's ZeRO-1 optimizer: the same curve within bf16 rounding,
+    no step skipped."""
     auto = {"train": {**ON_GPU["train"], "precision": "bf16", "zero_stage": "auto"}}
     fused = tmp_path / "fused"
-    proc = trained_copy(prepared, fused, auto)
+    proc = trained_copy(
+        prepared, fused, {"train": {**auto["train"], "perf": {"optimizer": "fused"}}}
+    )
     assert "optimizer fused AdamW" in proc.stderr
     config = json.loads((fused / "checkpoints/ds_config.json").read_text())
     assert config["zero_optimization"]["stage"] == 0 and "bf16" not in config

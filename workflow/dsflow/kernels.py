@@ -30,8 +30,9 @@
   with the hooks traced, 1.16x the MoE step on one H200 (docs/performance.md).
 - `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.masteradam) instead of
   DeepSpeed's bf16 optimizer wrapper: one pass over memory per tensor for the whole step, no
-  copies of the gradients into fp32 buffers. ZeRO-0 in bf16 only (it partitions nothing), which
-  is what `zero_stage: auto` picks on one GPU; `auto` = fused on CUDA where it applies.
+  copies of the gradients into fp32 buffers. ZeRO-0 in bf16 only (it partitions nothing;
+  `zero_stage: auto` picks ZeRO-0 on one GPU when it is asked for). Opt-in: measured slower
+  than DeepSpeed's ZeRO-1 on one H200 so far (`auto` = deepspeed).
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
   the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
   micro batch, at the price of one more forward (off by default: it is slower at a given batch).
@@ -152,12 +153,14 @@ def resolve(
 def optimizer_choice(
     perf: dict, zero_stage: int, precision: str, optimizer_offload: bool, cuda: bool
 ) -> str:
-    """`train.perf.optimizer`: dsflow's fused AdamW where it applies (ZeRO-0, bf16, the
-    optimizer on the device), which `auto` takes on CUDA; DeepSpeed's elsewhere."""
+    """`train.perf.optimizer`: dsflow's fused AdamW, opt-in where it applies (ZeRO-0, bf16, the
+    optimizer on the device); DeepSpeed's otherwise and for `auto`: on one H200 the fused one
+    made the MoE step slower, not faster (137.2 ms against ZeRO-1's 109.8 ms in another call
+    on another machine, docs/performance.md), so it is not a default until a profile says why."""
     value = perf.get("optimizer", "auto")
     fits = zero_stage == 0 and precision == "bf16" and not optimizer_offload
     if value == "auto":
-        return "fused" if fits and cuda else "deepspeed"
+        return "deepspeed"
     if value == "fused" and not fits:
         raise UsageError(
             "train.perf.optimizer: fused needs train.zero_stage 0 and train.precision bf16 "

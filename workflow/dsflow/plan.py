@@ -1303,15 +1303,15 @@ def run(params: dict, args: Any = None) -> None:
 
 def auto_first_stage(train: dict, world: int) -> int:
     """The first ZeRO stage `train.zero_stage: auto` tries on GPUs: ZeRO-2; on one GPU, where
-    there is nothing to partition, ZeRO-0 for dsflow's fused optimizer (bf16,
-    train.perf.optimizer auto or fused), else ZeRO-1 (no per-parameter gradient hooks);
-    ZeRO-3 with parameter offload (it exists only there)."""
+    there is nothing to partition, ZeRO-1 (no per-parameter gradient hooks), or ZeRO-0 when
+    dsflow's fused optimizer is asked for (train.perf.optimizer: fused, bf16); ZeRO-3 with
+    parameter offload (it exists only there)."""
     offload = train.get("offload") or {}
     if offload.get("param", "none") != "none":
         return 3
     if world > 1:
         return 2
-    fused = (train.get("perf") or {}).get("optimizer", "auto") in ("auto", "fused")
+    fused = (train.get("perf") or {}).get("optimizer", "auto") == "fused"
     alone = train.get("precision") == "bf16" and offload.get("optimizer", "none") == "none"
     return 0 if fused and alone else 1
 
@@ -1325,12 +1325,12 @@ def auto_layout(
 ) -> tuple[int, bool, bool, str]:
     """`train.zero_stage: auto`: (stage, offload optimizer, offload params, why) of the first
     memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
-    offload, + parameter offload (one GPU: ZeRO-0 with dsflow's fused optimizer in bf16, else
-    ZeRO-1; then ZeRO-2 + optimizer offload, then ZeRO-3 with offload), at the configured micro
-    batch (offload asked for in train.offload is kept). One GPU has nothing to partition, so
-    ZeRO-0/1 hold what ZeRO-2 does; ZeRO-1 handles its gradients without a hook per parameter
-    in every backward, and ZeRO-0 lets dsflow's optimizer take the whole step in one pass:
-    each faster on one H200 (docs/performance.md). On CPU there is nothing to fit: ZeRO-2 (the fewest collectives).
+    offload, + parameter offload (one GPU: ZeRO-1, or ZeRO-0 for dsflow's fused optimizer when
+    train.perf.optimizer asks for it; then ZeRO-2 + optimizer offload, then ZeRO-3 with
+    offload), at the configured micro batch (offload asked for in train.offload is kept). One
+    GPU has nothing to partition, so ZeRO-0/1 hold what ZeRO-2 does, and ZeRO-1 handles its
+    gradients without a hook per parameter in every backward: faster on one H200
+    (docs/performance.md). On CPU there is nothing to fit: ZeRO-2 (the fewest collectives).
     When nothing fits, a UsageError names the cheapest strategy that would (smaller micro
     batch, checkpointing, a smaller preset). Host RAM: `host_mem_bytes`, else this machine's."""
     offload = params["train"].get("offload") or {}

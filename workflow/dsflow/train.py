@@ -200,6 +200,7 @@ def prepare_run_dir(plan: dict) -> None:
         log.info("checkpoints/ holds a different run (params changed): starting fresh")
         resume = None
     if resume:
+        check_optimizer(root, plan)
         if ckpt.latest_tag(root) != resume:
             ckpt.set_latest(root, resume)
         saved = ckpt.saved_world(root, resume)
@@ -282,6 +283,21 @@ def saved_layout(root: Path, plan: dict) -> dict | None:
     if ckpt.fingerprint(params, batch, plan.get("data_sha", "")) != previous.get("fingerprint"):
         return None
     return params
+
+
+def check_optimizer(root: Path, plan: dict) -> None:
+    """train.perf.optimizer is no part of the fingerprint (it does not change the math), but
+    DeepSpeed's and dsflow's fused optimizer save different states: a resume needs the one
+    that saved them."""
+    old = _run_json(root).get("perf", {}).get("optimizer", "deepspeed")
+    new = plan["perf"].get("optimizer", "deepspeed")
+    if old != new:
+        raise UsageError(
+            f"train.perf.optimizer: checkpoints/ holds this run saved with the {old} optimizer, "
+            f"this launch uses {new}, and their states do not load into each other: set "
+            f"train.perf.optimizer: {old} (and its ZeRO stage) to resume, or remove "
+            "checkpoints/ to start over"
+        )
 
 
 def check_layout(root: Path, plan: dict) -> None:
