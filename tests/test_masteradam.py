@@ -195,3 +195,21 @@ def test_a_resume_with_the_other_optimizer_is_a_one_line_error(tmp_path):
     # Checkpoints from before the key existed were DeepSpeed's.
     (tmp_path / "run.json").write_text(json.dumps({"perf": {}}))
     check_optimizer(tmp_path, {"perf": {"optimizer": "deepspeed"}})
+
+
+def test_the_planner_counts_no_fp32_gradient_copies_for_it():
+    """ZeRO-0 bf16 with DeepSpeed's optimizer holds fp32 copies of all gradients at the step
+    (FP16_Optimizer's flat buffers); the fused optimizer reads the bf16 ones."""
+    from dsflow.model import model_config
+    from dsflow.plan import estimate
+
+    config = model_config("small", 4096, {})
+    kw = {"seq_len": 1024, "micro_batch": 1, "world": 1, "zero_stage": 0, "precision": "bf16"}
+    ds, fused = estimate(config, **kw), estimate(config, fused_optimizer=True, **kw)
+    assert fused["gpu"]["gradients_fp32_step"] == 0 < ds["gpu"]["gradients_fp32_step"]
+    assert fused["gpu"]["total"] <= ds["gpu"]["total"]
+    # Only at ZeRO-0 in bf16: elsewhere the flag changes nothing.
+    for other in ({"zero_stage": 1}, {"precision": "fp32"}):
+        assert estimate(config, **{**kw, **other}, fused_optimizer=True) == estimate(
+            config, **{**kw, **other}
+        )

@@ -309,8 +309,12 @@ def estimate(
     bucket_sizes: tuple[int, int] = DEFAULT_BUCKETS,
     overlap_comm: bool = True,
     seq_aux: bool = True,
+    fused_optimizer: bool = False,
 ) -> dict[str, Any]:
     """Per-GPU (and host) bytes of training ``config`` with these settings; see the module doc.
+
+    ``fused_optimizer``: train.perf.optimizer fused (dsflow.masteradam, ZeRO-0 bf16), which
+    makes no fp32 gradient copies and all-reduces in fp32 (DeepSpeed sees an fp32 model).
 
     ``bucket_sizes`` = (``reduce_bucket_size``, ``allgather_bucket_size``) in elements.
     ``gpu.total`` is the predicted peak (``max_memory_reserved`` + the fixed overhead).
@@ -347,8 +351,10 @@ def estimate(
     else:
         master = 4 * (P if zero_stage == 0 else part)
     adam = 8 * (P if zero_stage == 0 else part)
+    fused = fused_optimizer and zero_stage == 0 and precision == "bf16"
     if zero_stage == 0:
-        grads_fp32 = 0 if fp32 else 4 * P  # FP16_Optimizer's fp32 flat gradients
+        # FP16_Optimizer's fp32 flat gradients; the fused optimizer reads the 16-bit ones.
+        grads_fp32 = 0 if fp32 or fused else 4 * P
     elif zero_stage == 3:
         grads_fp32 = 4 * min(part, DS_SUB_GROUP_SIZE)
     else:
@@ -376,7 +382,7 @@ def estimate(
         "peak_checkpointing" if activation_checkpointing else "peak_no_checkpointing"
     ]
     if zero_stage == 0:
-        buckets = w * min(P, DS_ALLREDUCE_BUCKET) if N > 1 else 0
+        buckets = (4 if fused else w) * min(P, DS_ALLREDUCE_BUCKET) if N > 1 else 0
     elif zero_stage in (1, 2):
         # reduce buckets (double-buffered with overlap_comm); the updated partitions are
         # all-gathered in place into the flat 16-bit buffer, so allgather_bucket costs nothing.
@@ -614,6 +620,7 @@ def cheapest_fit(
     bucket_sizes: tuple[int, int] = DEFAULT_BUCKETS,
     overlap_comm: bool = True,
     smaller_presets: bool = True,
+    fused_optimizer: bool = False,
 ) -> list[dict[str, Any]]:
     """Strategies tried in cost order until one fits; the last row is the recommendation when
     its ``fits`` is True (``recommended`` marks it), otherwise nothing fits.
@@ -626,6 +633,7 @@ def cheapest_fit(
 
     common = dict(seq_len=seq_len, world=world, precision=precision, bucket_sizes=bucket_sizes)
     common["overlap_comm"] = overlap_comm
+    common["fused_optimizer"] = fused_optimizer
 
     def attempt(cfg, s, preset=None) -> dict[str, Any]:
         z, o, p, c, m = s
@@ -922,6 +930,7 @@ class Request:
     host_mem_bytes: int | None
     host_mem_source: str
     notes: list[str] = dataclasses.field(default_factory=list)
+    fused_optimizer: bool = False
 
     def estimate_kwargs(self) -> dict[str, Any]:
         return dict(
@@ -935,6 +944,7 @@ class Request:
             activation_checkpointing=self.activation_checkpointing,
             bucket_sizes=self.bucket_sizes,
             overlap_comm=self.overlap_comm,
+            fused_optimizer=self.fused_optimizer,
         )
 
 
@@ -1148,6 +1158,7 @@ def resolve(
             {"overlap_comm": "auto", "contiguous_gradients": "auto", **zcfg}, zero, world, "cuda"
         )[0],
         seq_aux=float(train.get("balance", {}).get("seq_aux_alpha", 0.0)) > 0,
+        fused_optimizer=(train.get("perf") or {}).get("optimizer", "auto") == "fused",
         keep_checkpoints=int(train.get("keep_checkpoints", 2)),
         gpu_mem_bytes=gpu_mem_bytes,
         gpu_mem_source=gpu_source,
