@@ -105,6 +105,49 @@ def test_state_round_trips_and_restores_the_weights():
         again.load_state_dict(torch.optim.AdamW(net.parameters()).state_dict())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_triton_kernel_takes_fusedadams_step(monkeypatch, dtype):
+    """The GPU's kernel, run by Triton's interpreter on CPU: FusedAdam's AdamW formula in
+    fp32 (here written out in torch; scalars round a little differently, so the masters agree
+    to an ulp or two) and the weights the masters rounded to nearest even, as torch rounds.
+    Tensor sizes around the kernel's block and a clip that is active."""
+    from dsflow import masteradam
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(masteradam, "_KERNEL", None)  # built anew, for the interpreter
+    torch.manual_seed(0)
+    shapes = [(3,), (masteradam.BLOCK,), (masteradam.BLOCK + 1,), (37, 91), (4, 320, 13)]
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+    w = [p.detach().float().clone() for p in params]
+    m = [torch.zeros_like(x) for x in w]
+    v = [torch.zeros_like(x) for x in w]
+    opt = MasterAdamW(params, max_grad_norm=1.0, kernel="triton", **HYPER)
+    (b1, b2), lr, eps, wd = HYPER["betas"], HYPER["lr"], HYPER["eps"], HYPER["weight_decay"]
+    for step in range(1, 5):
+        grads = [torch.randn_like(p) * 0.05 for p in params]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        assert not opt.overflow
+        norm = torch.linalg.vector_norm(
+            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        )
+        combined = (norm + 1e-6) / 1.0
+        assert combined > 1
+        bc1 = torch.tensor(1 - b1**step, dtype=torch.float32)
+        bc2 = torch.tensor(1 - b2**step, dtype=torch.float32)
+        for i, g in enumerate(grads):
+            g32 = g.float() * (1.0 / combined)
+            m[i] = b1 * m[i] + (1 - b1) * g32
+            v[i] = b2 * v[i] + (1 - b2) * g32 * g32
+            update = (m[i] / bc1) / (torch.sqrt(v[i] / bc2) + eps) + wd * w[i]
+            w[i] = w[i] - lr * update
+    for i, p in enumerate(params):
+        master = opt._view(0, "master", i)
+        torch.testing.assert_close(master, w[i], rtol=1e-6, atol=1e-7)
+        assert p.dtype == dtype and torch.equal(p, master.to(dtype)), i
+
+
 def test_perf_optimizer_resolves_where_it_applies():
     from dsflow.errors import UsageError
     from dsflow.kernels import optimizer_choice

@@ -154,9 +154,9 @@ def optimizer_choice(
     perf: dict, zero_stage: int, precision: str, optimizer_offload: bool, cuda: bool
 ) -> str:
     """`train.perf.optimizer`: dsflow's fused AdamW, opt-in where it applies (ZeRO-0, bf16, the
-    optimizer on the device); DeepSpeed's otherwise and for `auto`: on one H200 the fused one
-    made the MoE step slower, not faster (137.2 ms against ZeRO-1's 109.8 ms in another call
-    on another machine, docs/performance.md), so it is not a default until a profile says why."""
+    optimizer on the device); DeepSpeed's otherwise and for `auto`: on one H200 its first
+    version made the MoE step slower, not faster (2.15x its baseline in one call, ZeRO-1 2.38x
+    in another, docs/performance.md), so it is not a default until a GPU run says otherwise."""
     value = perf.get("optimizer", "auto")
     fits = zero_stage == 0 and precision == "bf16" and not optimizer_offload
     if value == "auto":

@@ -1,4 +1,4 @@
-"""AdamW for 16-bit weights with fp32 master weights, in one pass over memory per tensor.
+"""AdamW for 16-bit weights with fp32 master weights, in one pass over memory.
 
 DeepSpeed's bf16 optimizers (ZeRO-1/2's, and the FP16_Optimizer that wraps ZeRO-0) take a
 step in five passes over all parameters: the bf16 gradients are copied into an fp32 flat
@@ -9,22 +9,25 @@ For a MoE model, whose parameters are many times its activated ones, that traffi
 part of the step: 18 ms of a 111 ms MoE step on an H200 (docs/performance.md).
 
 `MasterAdamW` keeps the fp32 master weights, exp_avg and exp_avg_sq itself (flat buffers per
-parameter group, one view per parameter) and does the step in one kernel per tensor that reads
-the bf16 gradient, scales it, updates master and moments and writes the bf16 weight: 28 bytes
-per parameter, the same as fp32 Adam alone. The gradient norm is one multi-tensor launch
+parameter group, one view per parameter) and does the step in one kernel launch per group:
+each program reads BLOCK elements of one tensor's bf16 gradient (found through a table of
+pointers), scales it, updates master and moments and writes the bf16 weight: 28 bytes per
+parameter, the same as fp32 Adam alone. The gradient norm is one multi-tensor launch
 (`_foreach_norm`, fp32). It runs under DeepSpeed at ZeRO-0 as a client optimizer, with
 DeepSpeed's bf16 wrapper and gradient clipping off (this class clips, from the same norm),
-selected by `train.perf.optimizer: fused` (dsflow.kernels). Opt-in: on one H200 the MoE step
-took 137.2 ms with it against 295.3 ms for the stock baseline in the same call, where
-DeepSpeed's ZeRO-1 had taken 109.8 against 260.8 in another (docs/performance.md): slower, for
-reasons a profile has yet to show (one Triton launch per tensor, ~250 per step, is the first
-suspect on a step whose host is already the bottleneck).
+selected by `train.perf.optimizer: fused` (dsflow.kernels).
+
+Opt-in. Its first version, one launch per tensor (~250 a MoE step), made the MoE step on one
+H200 slower: 137.2 ms against 295.3 ms for the stock baseline in the same call, where
+DeepSpeed's ZeRO-1 had taken 109.8 against 260.8 in another (docs/performance.md). The host is
+the suspect (it is already the bottleneck of that step); this one-launch version is checked
+on CPU in Triton's interpreter, and has not been timed on a GPU.
 
 The math is DeepSpeed's bf16 ZeRO step: the fp32 gradient is multiplied by 1 / max(1, (norm +
 1e-6) / max_norm); a step whose gradient norm is inf/NaN is skipped (`overflow`, which the
 engine reads: no scheduler step either) and leaves master, moments and step count untouched.
 On CUDA the update is a Triton kernel with FusedAdam's formula (AdamW mode, IEEE division and
-square root); elsewhere it is torch's AdamW (`torch.optim.adam.adam`, decoupled weight decay),
+square root, bf16 rounded to nearest even); elsewhere it is torch's AdamW (`torch.optim.adam.adam`, decoupled weight decay),
 the optimizer DeepSpeed runs on CPU (`torch_adam`), so a CPU run matches DeepSpeed's own.
 """
 
@@ -46,10 +49,16 @@ class MasterAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         max_grad_norm: float = 0.0,
+        kernel: str = "auto",
     ):
+        """`kernel`: "triton" (one launch per parameter group, FusedAdam's formula), "torch"
+        (torch's AdamW), "auto" = triton on CUDA, torch elsewhere."""
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
+        if kernel not in ("auto", "triton", "torch"):
+            raise ValueError(f"MasterAdamW kernel: auto, triton or torch, not {kernel!r}")
+        self.kernel = kernel
         self.overflow = False
         self._global_grad_norm = None
         # Built at first use: DeepSpeed moves the model to its device after this constructor.
@@ -63,6 +72,8 @@ class MasterAdamW(torch.optim.Optimizer):
             return self._flat
         for group in self.param_groups:
             ps = group["params"]
+            if len({p.dtype for p in ps}) > 1:
+                raise ValueError("MasterAdamW needs one dtype per parameter group")
             numel = sum(p.numel() for p in ps)
             master = torch.empty(numel, dtype=torch.float32, device=ps[0].device)
             views, offset = [], 0
@@ -117,8 +128,9 @@ class MasterAdamW(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             flat = self._state()[gi]
             flat["step"] += 1
-            if group["params"][0].device.type == "cuda":
-                self._step_cuda(gi, group, grads[gi], scale)
+            cuda = group["params"][0].device.type == "cuda"
+            if self.kernel == "triton" or (self.kernel == "auto" and cuda):
+                self._step_triton(gi, group, grads[gi], scale)
             else:
                 self._step_torch(gi, group, grads[gi], scale)
         return None
@@ -154,38 +166,59 @@ class MasterAdamW(torch.optim.Optimizer):
         for p, w in zip(ps, masters, strict=True):
             p.copy_(w)
 
-    def _step_cuda(self, gi, group, grads, scale) -> None:
-        kernel = _cuda_kernel()
-        beta1, beta2 = group["betas"]
-        step = self._flat[gi]["step"]
-        bc1 = 1.0 - math.pow(beta1, step)
-        bc2 = 1.0 - math.pow(beta2, step)
+    def _step_triton(self, gi, group, grads, scale) -> None:
+        """One launch for the whole group: each program takes BLOCK elements of one tensor,
+        found through tables of chunk -> tensor and tensor -> pointers, sizes, offsets."""
+        kernel = _triton_kernel()
+        flat = self._state()[gi]
         ps = group["params"]
-        # Largest first: while the GPU works through them, the host launches the small ones.
-        order = sorted(range(len(ps)), key=lambda i: -ps[i].numel())
-        for i in order:
-            # The kernel walks both as flat memory; the weights are checked when the state is
-            # built, a gradient may come in another layout (then: one copy).
-            p, g = ps[i], grads[i].contiguous()
-            n = p.numel()
-            grid = (triton_cdiv(n, BLOCK),)
-            kernel[grid](
-                p,
-                g,
-                self._view(gi, "master", i),
-                self._view(gi, "exp_avg", i),
-                self._view(gi, "exp_avg_sq", i),
-                scale,
-                n,
-                group["lr"],
-                beta1,
-                beta2,
-                group["eps"],
-                group["weight_decay"],
-                bc1,
-                bc2,
-                BLOCK=BLOCK,
+        chunk_t, chunk_s, n_tab, off_tab = self._chunks(gi)
+        # The kernel walks both as flat memory (weights: checked when the state is built).
+        grads = [g.contiguous() for g in grads]
+        device = ps[0].device
+        pointers = torch.tensor(
+            [[p.data_ptr() for p in ps], [g.data_ptr() for g in grads]], dtype=torch.int64
+        ).to(device)
+        beta1, beta2 = group["betas"]
+        step = flat["step"]
+        kernel[(chunk_t.numel(),)](
+            chunk_t,
+            chunk_s,
+            n_tab,
+            off_tab,
+            pointers[0],
+            pointers[1],
+            flat["master"],
+            flat["exp_avg"],
+            flat["exp_avg_sq"],
+            scale,
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            1.0 - math.pow(beta1, step),
+            1.0 - math.pow(beta2, step),
+            BLOCK=BLOCK,
+            BF16=ps[0].dtype == torch.bfloat16,
+        )
+
+    def _chunks(self, gi: int) -> tuple[torch.Tensor, ...]:
+        """The launch tables of group `gi`, built once: per chunk its tensor and first element,
+        per tensor its size and offset in the flat state."""
+        flat = self._state()[gi]
+        if "chunks" not in flat:
+            device = flat["master"].device
+            sizes = torch.tensor([n for _, n in flat["views"]], dtype=torch.int64)
+            offsets = torch.tensor([o for o, _ in flat["views"]], dtype=torch.int64)
+            counts = (sizes + BLOCK - 1) // BLOCK
+            chunk_t = torch.repeat_interleave(torch.arange(len(sizes)), counts)
+            first = torch.cumsum(counts, 0) - counts  # each tensor's first chunk
+            chunk_s = (torch.arange(int(counts.sum())) - first[chunk_t]) * BLOCK
+            flat["chunks"] = tuple(
+                t.to(device) for t in (chunk_t.to(torch.int32), chunk_s, sizes, offsets)
             )
+        return flat["chunks"]
 
     def state_dict(self) -> dict:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -217,17 +250,12 @@ class MasterAdamW(torch.optim.Optimizer):
 
 
 BLOCK = 2048
-
-
-def triton_cdiv(n: int, d: int) -> int:
-    return (n + d - 1) // d
-
-
 _KERNEL = None
 
 
-def _cuda_kernel():
-    """The Triton kernel, built on first use (Triton exists only with CUDA builds)."""
+def _triton_kernel():
+    """The Triton kernel, built on first use (Triton comes with CUDA builds of torch; on CPU
+    the tests run it in Triton's interpreter, TRITON_INTERPRET=1)."""
     global _KERNEL
     if _KERNEL is not None:
         return _KERNEL
@@ -236,13 +264,16 @@ def _cuda_kernel():
 
     @triton.jit
     def adamw_master(
-        p_ptr,
-        g_ptr,
+        chunk_t,
+        chunk_s,
+        n_tab,
+        off_tab,
+        p_tab,
+        g_tab,
         w_ptr,
         m_ptr,
         v_ptr,
         scale_ptr,
-        n,
         lr,
         beta1,
         beta2,
@@ -251,24 +282,43 @@ def _cuda_kernel():
         bc1,
         bc2,
         BLOCK: tl.constexpr,
+        BF16: tl.constexpr,
     ):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        c = tl.program_id(0)
+        t = tl.load(chunk_t + c)
+        n = tl.load(n_tab + t)
+        base = tl.load(off_tab + t)
+        if BF16:
+            p_ptr = tl.load(p_tab + t).to(tl.pointer_type(tl.uint16))
+            g_ptr = tl.load(g_tab + t).to(tl.pointer_type(tl.bfloat16))
+        else:
+            p_ptr = tl.load(p_tab + t).to(tl.pointer_type(tl.float32))
+            g_ptr = tl.load(g_tab + t).to(tl.pointer_type(tl.float32))
+        offs = tl.load(chunk_s + c) + tl.arange(0, BLOCK)
         mask = offs < n
         scale = tl.load(scale_ptr)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        w = tl.load(w_ptr + base + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + base + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + base + offs, mask=mask, other=0.0)
         # DeepSpeed's multi_tensor_adam.cu, ADAM_MODE_1 (AdamW), in fp32.
         m = beta1 * m + (1.0 - beta1) * g
         v = beta2 * v + (1.0 - beta2) * g * g
         denom = tl.sqrt_rn(tl.div_rn(v, bc2)) + eps
         update = tl.div_rn(tl.div_rn(m, bc1), denom) + decay * w
         w = w - lr * update
-        tl.store(w_ptr + offs, w, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        tl.store(p_ptr + offs, w.to(p_ptr.dtype.element_ty), mask=mask)
+        tl.store(w_ptr + base + offs, w, mask=mask)
+        tl.store(m_ptr + base + offs, m, mask=mask)
+        tl.store(v_ptr + base + offs, v, mask=mask)
+        if BF16:
+            # bf16 = the top half of fp32's bits, rounded to nearest even (NaN stays NaN), as
+            # torch rounds; by hand, since Triton's interpreter (the CPU tests) truncates.
+            bits = w.to(tl.uint32, bitcast=True)
+            bits = tl.where(w != w, 0x7FC00000, bits)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            tl.store(p_ptr + offs, (bits >> 16).to(tl.uint16), mask=mask)
+        else:
+            tl.store(p_ptr + offs, w, mask=mask)
 
     _KERNEL = adamw_master
     return _KERNEL
