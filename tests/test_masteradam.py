@@ -256,3 +256,22 @@ def test_the_planner_counts_no_fp32_gradient_copies_for_it():
         assert estimate(config, **{**kw, **other}, fused_optimizer=True) == estimate(
             config, **{**kw, **other}
         )
+
+
+def test_a_ds_config_file_cannot_set_what_the_fused_optimizer_brings():
+    from dsflow import dsconfig
+    from dsflow.errors import UsageError
+
+    built = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "scheduler": {"type": "WarmupLR"},
+    }
+    cfg = dsconfig.for_client_optimizer(dict(built), built, None)
+    assert cfg == {"gradient_clipping": 0.0, "scheduler": {"type": "WarmupLR"}}
+    for key, value in (("optimizer", {"type": "Lamb"}), ("gradient_clipping", 0.5)):
+        with pytest.raises(UsageError) as exc:
+            dsconfig.for_client_optimizer({**built, key: value}, built, "my_ds.json")
+        msg = str(exc.value)
+        assert "\n" not in msg and msg.startswith(f"my_ds.json: {key} is set there")

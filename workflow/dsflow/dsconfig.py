@@ -137,12 +137,20 @@ def build(train: dict, batch: Batch, steps: int, device_type: str) -> dict:
     return cfg
 
 
-def for_client_optimizer(cfg: dict) -> dict:
+def for_client_optimizer(cfg: dict, built: dict, source: str | None = None) -> dict:
     """The config for dsflow's fused optimizer (train.perf.optimizer: fused, dsflow.masteradam):
     the model is cast to bf16 by dsflow and the optimizer keeps the fp32 masters and clips, so
     DeepSpeed gets no optimizer section, no bf16 wrapper and no clipping of its own (it would
     clip the bf16 gradients in bf16). The scheduler section stays: it drives the client
-    optimizer's learning rate."""
+    optimizer's learning rate. `built` is the config before the user's file (`source`) was
+    merged: an optimizer or clipping set there would be dropped, so it is an error."""
+    for key in ("optimizer", "gradient_clipping"):
+        if cfg.get(key) != built.get(key):
+            raise UsageError(
+                f"{source or 'train.ds_config'}: {key} is set there, but train.perf.optimizer: "
+                "fused brings its own optimizer (train.optimizer, train.grad_clip); set those "
+                "in params.yaml, or use train.perf.optimizer: deepspeed"
+            )
     cfg = {k: v for k, v in cfg.items() if k not in ("optimizer", "bf16")}
     cfg["gradient_clipping"] = 0.0
     return cfg

@@ -108,7 +108,7 @@ def plan_run(params: dict) -> dict:
             "train.precision: fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); "
             "use bf16 or fp32 on CPU"
         )
-    ds_config = dsconfig.build(train, batch, steps, device)
+    ds_config = built = dsconfig.build(train, batch, steps, device)
     if train["ds_config"]:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
     from dsflow import kernels
@@ -123,7 +123,7 @@ def plan_run(params: dict) -> dict:
         != "none",
     )
     if perf.optimizer == "fused":
-        ds_config = dsconfig.for_client_optimizer(ds_config)
+        ds_config = dsconfig.for_client_optimizer(ds_config, built, train["ds_config"])
     # Every shard's sha256 is checked here, once, so a corrupted shard is one line naming the
     # file, not a traceback from every rank (the ranks then skip the check).
     shards = ":".join(
