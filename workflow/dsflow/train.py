@@ -290,7 +290,7 @@ def check_optimizer(root: Path, plan: dict) -> None:
     DeepSpeed's and dsflow's fused optimizer save different states: a resume needs the one
     that saved them."""
     old = _run_json(root).get("perf", {}).get("optimizer", "deepspeed")
-    new = plan["perf"].get("optimizer", "deepspeed")
+    new = plan.get("perf", {}).get("optimizer", "deepspeed")
     if old != new:
         raise UsageError(
             f"train.perf.optimizer: checkpoints/ holds this run saved with the {old} optimizer, "
