@@ -176,9 +176,13 @@ class MasterAdamW(torch.optim.Optimizer):
         # The kernel walks both as flat memory (weights: checked when the state is built).
         grads = [g.contiguous() for g in grads]
         device = ps[0].device
+        cuda = device.type == "cuda"
+        # Pinned and asynchronous: a copy from pageable memory would wait for the device.
         pointers = torch.tensor(
-            [[p.data_ptr() for p in ps], [g.data_ptr() for g in grads]], dtype=torch.int64
-        ).to(device)
+            [[p.data_ptr() for p in ps], [g.data_ptr() for g in grads]],
+            dtype=torch.int64,
+            pin_memory=cuda,
+        ).to(device, non_blocking=cuda)
         beta1, beta2 = group["betas"]
         step = flat["step"]
         kernel[(chunk_t.numel(),)](
