@@ -275,3 +275,37 @@ def test_a_ds_config_file_cannot_set_what_the_fused_optimizer_brings():
             dsconfig.for_client_optimizer({**built, key: value}, built, "my_ds.json")
         msg = str(exc.value)
         assert "\n" not in msg and msg.startswith(f"my_ds.json: {key} is set there")
+
+
+def test_groups_and_missing_gradients_take_the_same_step_in_both_kernels(monkeypatch):
+    """Two parameter groups (their own learning rates) and a parameter without a gradient (a
+    zero gradient, as DeepSpeed counts it): Triton's kernel (in the interpreter) and torch's
+    AdamW agree, the masters to an ulp or two, and neither changes the caller's gradients."""
+    from dsflow import masteradam
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(masteradam, "_KERNEL", None)
+    runs = {}
+    for kernel in ("torch", "triton"):
+        torch.manual_seed(0)
+        a, b, idle = (torch.nn.Parameter(torch.randn(s).bfloat16()) for s in ((70,), (5, 9), (33,)))
+        groups = [{"params": [a, idle]}, {"params": [b], "lr": 3e-2}]
+        opt = MasterAdamW(groups, max_grad_norm=1.0, kernel=kernel, **HYPER)
+        start = idle.detach().float().clone()
+        for step in range(3):
+            torch.manual_seed(10 + step)
+            a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+            kept = a.grad.clone()
+            opt.step()
+            assert torch.equal(a.grad, kept)
+        runs[kernel] = (opt, [a, idle, b], start)
+    (ot, pt, start), (ok, pk, _) = runs["torch"], runs["triton"]
+    for gi, n in ((0, 2), (1, 1)):
+        for i in range(n):
+            torch.testing.assert_close(
+                ok._view(gi, "master", i), ot._view(gi, "master", i), rtol=2e-6, atol=1e-7
+            )
+    for x, y in zip(pk, pt, strict=True):  # bf16: at most one rounding step apart
+        torch.testing.assert_close(x.float(), y.float(), rtol=2**-7, atol=0)
+    # The parameter without gradients still moved: weight decay, as with DeepSpeed's zeros.
+    assert (ot._view(0, "master", 1) != start).all()

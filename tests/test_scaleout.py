@@ -114,9 +114,11 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     assert alone[8][:3] == (2, True, False)
     fused = P.deep_merge(medium, {"train": {"perf": {"optimizer": "fused"}}})
     zero0 = planner.auto_layout(fused, 1, "cuda", 80 * gb, host)
-    assert zero0[:3] == (0, False, False) and "one GPU: ZeRO-0" in zero0[3]
+    assert zero0[:3] == (0, False, False) and "ZeRO-0, for dsflow's fused optimizer" in zero0[3]
     fp32 = P.deep_merge(fused, {"train": {"precision": "fp32"}})
     assert planner.auto_layout(fp32, 1, "cuda", 80 * gb, host)[:3] == (1, False, False)
+    # The fused optimizer runs at ZeRO-0 only: auto tries it first on several GPUs too.
+    assert planner.auto_layout(fused, 3, "cuda", 80 * gb, host)[:3] == (0, False, False)
     # Parameter offload exists at ZeRO-3 only: asked for, auto plans there (it failed before).
     par = P.deep_merge(medium, {"train": {"offload": {"param": "cpu"}}})
     for world in (1, 3):

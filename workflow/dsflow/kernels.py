@@ -29,10 +29,10 @@
   experts elsewhere, and on a GPU below SM80 or for another experts layout), HF's on CPU:
   with the hooks traced, 1.16x the MoE step on one H200 (docs/performance.md).
 - `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.masteradam) instead of
-  DeepSpeed's bf16 optimizer wrapper: one pass over memory per tensor for the whole step, no
-  copies of the gradients into fp32 buffers. ZeRO-0 in bf16 only (it partitions nothing;
-  `zero_stage: auto` picks ZeRO-0 on one GPU when it is asked for). Opt-in: measured slower
-  than DeepSpeed's ZeRO-1 on one H200 so far (`auto` = deepspeed).
+  DeepSpeed's bf16 optimizer wrapper: one pass over memory for the whole step, no copies of
+  the gradients into fp32 buffers. ZeRO-0 in bf16 only (it partitions nothing; `zero_stage:
+  auto` picks ZeRO-0 when it is asked for). Opt-in: its first version measured slower than
+  DeepSpeed's ZeRO-1 on one H200 (`auto` = deepspeed).
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
   the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
   micro batch, at the price of one more forward (off by default: it is slower at a given batch).
@@ -163,8 +163,9 @@ def optimizer_choice(
         return "deepspeed"
     if value == "fused" and not fits:
         raise UsageError(
-            "train.perf.optimizer: fused needs train.zero_stage 0 and train.precision bf16 "
-            f"(this run has ZeRO-{zero_stage}, {precision}); set it to auto or deepspeed"
+            "train.perf.optimizer: fused needs train.zero_stage 0 (or auto, where ZeRO-0 fits) "
+            f"and train.precision bf16 without optimizer offload (this run has "
+            f"ZeRO-{zero_stage}, {precision}); set those, or train.perf.optimizer: deepspeed"
         )
     return value
 

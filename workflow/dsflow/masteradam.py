@@ -72,19 +72,29 @@ class MasterAdamW(torch.optim.Optimizer):
             return self._flat
         for group in self.param_groups:
             ps = group["params"]
-            if len({p.dtype for p in ps}) > 1:
-                raise ValueError("MasterAdamW needs one dtype per parameter group")
-            numel = sum(p.numel() for p in ps)
-            master = torch.empty(numel, dtype=torch.float32, device=ps[0].device)
-            views, offset = [], 0
+            dtypes = {p.dtype for p in ps}
+            if len(dtypes) > 1 or not dtypes <= {torch.bfloat16, torch.float32}:
+                raise ValueError(
+                    f"MasterAdamW needs one dtype per parameter group, bf16 or fp32 (got {dtypes})"
+                )
+            # Each tensor's state starts at a multiple of ALIGN elements, so that the kernel's
+            # loads and stores can be vectorized (it tells Triton so).
+            starts = []
+            offset = 0
+            triton = self._triton(ps[0].device)
             for p in ps:
-                if not p.is_contiguous():
+                if triton and (not p.is_contiguous() or p.data_ptr() % 16):
                     raise ValueError(
-                        f"MasterAdamW needs contiguous parameters; one has strides {p.stride()}"
+                        "MasterAdamW needs contiguous, 16-byte aligned parameters; one has "
+                        f"strides {p.stride()}, address {p.data_ptr():#x}"
                     )
-                views.append((offset, p.numel()))
-                master[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-                offset += p.numel()
+                starts.append(offset)
+                offset += -(-p.numel() // ALIGN) * ALIGN
+            master = torch.zeros(offset, dtype=torch.float32, device=ps[0].device)
+            views = []
+            for p, start in zip(ps, starts, strict=True):
+                views.append((start, p.numel()))
+                master[start : start + p.numel()].copy_(p.detach().reshape(-1))
             self._flat.append(
                 {
                     "step": 0,
@@ -95,6 +105,9 @@ class MasterAdamW(torch.optim.Optimizer):
                 }
             )
         return self._flat
+
+    def _triton(self, device: torch.device) -> bool:
+        return self.kernel == "triton" or (self.kernel == "auto" and device.type == "cuda")
 
     def _view(self, gi: int, key: str, i: int) -> torch.Tensor:
         flat = self._state()[gi]
@@ -128,8 +141,7 @@ class MasterAdamW(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             flat = self._state()[gi]
             flat["step"] += 1
-            cuda = group["params"][0].device.type == "cuda"
-            if self.kernel == "triton" or (self.kernel == "auto" and cuda):
+            if self._triton(group["params"][0].device):
                 self._step_triton(gi, group, grads[gi], scale)
             else:
                 self._step_torch(gi, group, grads[gi], scale)
@@ -142,7 +154,7 @@ class MasterAdamW(torch.optim.Optimizer):
         masters = [self._view(gi, "master", i) for i in range(len(ps))]
         exp_avgs = [self._view(gi, "exp_avg", i) for i in range(len(ps))]
         exp_avg_sqs = [self._view(gi, "exp_avg_sq", i) for i in range(len(ps))]
-        g32 = [g.float().mul_(scale) for g in grads]
+        g32 = [g.float() * scale for g in grads]  # a new tensor: p.grad stays as it is
         # torch's Adam advances each tensor's step count itself: from the last one.
         steps = [torch.tensor(float(self._flat[gi]["step"] - 1)) for _ in ps]
         beta1, beta2 = group["betas"]
@@ -173,8 +185,16 @@ class MasterAdamW(torch.optim.Optimizer):
         flat = self._state()[gi]
         ps = group["params"]
         chunk_t, chunk_s, n_tab, off_tab = self._chunks(gi)
-        # The kernel walks both as flat memory (weights: checked when the state is built).
-        grads = [g.contiguous() for g in grads]
+        # The kernel walks both as flat, 16-byte aligned memory of the weights' dtype (the
+        # weights are checked when the state is built); a gradient in another layout is copied.
+        grads = [
+            g
+            if g.is_contiguous() and g.data_ptr() % 16 == 0
+            else g.clone(memory_format=torch.contiguous_format)
+            for g in grads
+        ]
+        if any(g.dtype != p.dtype for g, p in zip(grads, ps, strict=True)):
+            raise ValueError("MasterAdamW: a gradient's dtype differs from its parameter's")
         device = ps[0].device
         cuda = device.type == "cuda"
         # Pinned and asynchronous: a copy from pageable memory would wait for the device.
@@ -205,6 +225,7 @@ class MasterAdamW(torch.optim.Optimizer):
             1.0 - math.pow(beta2, step),
             BLOCK=BLOCK,
             BF16=ps[0].dtype == torch.bfloat16,
+            ALIGN=ALIGN,
         )
 
     def _chunks(self, gi: int) -> tuple[torch.Tensor, ...]:
@@ -254,6 +275,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
 
 BLOCK = 2048
+ALIGN = 64  # elements: 256 bytes of fp32 state
 _KERNEL = None
 
 
@@ -287,18 +309,23 @@ def _triton_kernel():
         bc2,
         BLOCK: tl.constexpr,
         BF16: tl.constexpr,
+        ALIGN: tl.constexpr,
     ):
         c = tl.program_id(0)
         t = tl.load(chunk_t + c)
         n = tl.load(n_tab + t)
-        base = tl.load(off_tab + t)
+        # Alignment the host guarantees (ALIGN-element state offsets, 16-byte addresses,
+        # BLOCK-element chunks) and Triton cannot see in values read from memory.
+        base = tl.multiple_of(tl.load(off_tab + t), ALIGN)
+        p_addr = tl.multiple_of(tl.load(p_tab + t), 16)
+        g_addr = tl.multiple_of(tl.load(g_tab + t), 16)
         if BF16:
-            p_ptr = tl.load(p_tab + t).to(tl.pointer_type(tl.uint16))
-            g_ptr = tl.load(g_tab + t).to(tl.pointer_type(tl.bfloat16))
+            p_ptr = p_addr.to(tl.pointer_type(tl.uint16))
+            g_ptr = g_addr.to(tl.pointer_type(tl.bfloat16))
         else:
-            p_ptr = tl.load(p_tab + t).to(tl.pointer_type(tl.float32))
-            g_ptr = tl.load(g_tab + t).to(tl.pointer_type(tl.float32))
-        offs = tl.load(chunk_s + c) + tl.arange(0, BLOCK)
+            p_ptr = p_addr.to(tl.pointer_type(tl.float32))
+            g_ptr = g_addr.to(tl.pointer_type(tl.float32))
+        offs = tl.multiple_of(tl.load(chunk_s + c), BLOCK) + tl.arange(0, BLOCK)
         mask = offs < n
         scale = tl.load(scale_ptr)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale

@@ -314,7 +314,8 @@ def estimate(
     """Per-GPU (and host) bytes of training ``config`` with these settings; see the module doc.
 
     ``fused_optimizer``: train.perf.optimizer fused (dsflow.masteradam, ZeRO-0 bf16), which
-    makes no fp32 gradient copies and all-reduces in fp32 (DeepSpeed sees an fp32 model).
+    makes no fp32 gradient copies; DeepSpeed sees an fp32 model, so its all-reduce buckets hold
+    the flattened bf16 gradients and an fp32 copy of them.
 
     ``bucket_sizes`` = (``reduce_bucket_size``, ``allgather_bucket_size``) in elements.
     ``gpu.total`` is the predicted peak (``max_memory_reserved`` + the fixed overhead).
@@ -382,7 +383,8 @@ def estimate(
         "peak_checkpointing" if activation_checkpointing else "peak_no_checkpointing"
     ]
     if zero_stage == 0:
-        buckets = (4 if fused else w) * min(P, DS_ALLREDUCE_BUCKET) if N > 1 else 0
+        # fused: DeepSpeed flattens the bf16 gradients, then all-reduces an fp32 copy
+        buckets = (w + 4 if fused else w) * min(P, DS_ALLREDUCE_BUCKET) if N > 1 else 0
     elif zero_stage in (1, 2):
         # reduce buckets (double-buffered with overlap_comm); the updated partitions are
         # all-gathered in place into the flat 16-bit buffer, so allgather_bucket costs nothing.
@@ -1314,17 +1316,16 @@ def run(params: dict, args: Any = None) -> None:
 
 def auto_first_stage(train: dict, world: int) -> int:
     """The first ZeRO stage `train.zero_stage: auto` tries on GPUs: ZeRO-2; on one GPU, where
-    there is nothing to partition, ZeRO-1 (no per-parameter gradient hooks), or ZeRO-0 when
-    dsflow's fused optimizer is asked for (train.perf.optimizer: fused, bf16); ZeRO-3 with
-    parameter offload (it exists only there)."""
+    there is nothing to partition, ZeRO-1 (no per-parameter gradient hooks); ZeRO-0 when
+    dsflow's fused optimizer is asked for (train.perf.optimizer: fused, bf16), the one stage it
+    runs at; ZeRO-3 with parameter offload (it exists only there)."""
     offload = train.get("offload") or {}
     if offload.get("param", "none") != "none":
         return 3
-    if world > 1:
-        return 2
     fused = (train.get("perf") or {}).get("optimizer", "auto") == "fused"
-    alone = train.get("precision") == "bf16" and offload.get("optimizer", "none") == "none"
-    return 0 if fused and alone else 1
+    if fused and train.get("precision") == "bf16" and offload.get("optimizer", "none") == "none":
+        return 0  # the fused optimizer's one stage, on any number of GPUs
+    return 1 if world == 1 else 2
 
 
 def auto_layout(
@@ -1336,9 +1337,9 @@ def auto_layout(
 ) -> tuple[int, bool, bool, str]:
     """`train.zero_stage: auto`: (stage, offload optimizer, offload params, why) of the first
     memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
-    offload, + parameter offload (one GPU: ZeRO-1, or ZeRO-0 for dsflow's fused optimizer when
-    train.perf.optimizer asks for it; then ZeRO-2 + optimizer offload, then ZeRO-3 with
-    offload), at the configured micro batch (offload asked for in train.offload is kept). One
+    offload, + parameter offload (one GPU: ZeRO-1, then ZeRO-2 + optimizer offload, then
+    ZeRO-3 with offload; ZeRO-0 first wherever train.perf.optimizer asks for the fused
+    optimizer), at the configured micro batch (offload asked for in train.offload is kept). One
     GPU has nothing to partition, so ZeRO-0/1 hold what ZeRO-2 does, and ZeRO-1 handles its
     gradients without a hook per parameter in every backward: faster on one H200
     (docs/performance.md). On CPU there is nothing to fit: ZeRO-2 (the fewest collectives).
@@ -1362,7 +1363,7 @@ def auto_layout(
         # DeepSpeed's classic and tested path) comes first.
         layouts = [(first, False, False), (2, True, False), (3, True, False), (3, True, True)]
     else:
-        layouts = [(2, False, False), (3, False, False), (3, True, False), (3, True, True)]
+        layouts = [(first, False, False), (3, False, False), (3, True, False), (3, True, True)]
     reason = ""
     for z, o, p in layouts:
         if (want_opt and not o) or (want_par and not p):
@@ -1374,7 +1375,7 @@ def auto_layout(
         if fits:
             gb = f"{_gb(est['gpu']['total']):.1f} of {_gb(req.gpu_mem_bytes):.1f} GB per GPU"
             alone = {
-                0: " (one GPU: ZeRO-0, dsflow's fused optimizer)",
+                0: " (ZeRO-0, for dsflow's fused optimizer)",
                 1: " (one GPU: ZeRO-1, no gradient hooks)",
             }.get(z, "")
             return z, o, p, f"the planner's cheapest fit{alone}: {gb}"
