@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from test_train import losses
 
 from conftest import dsflow, tiny_run, update_params
 from dsflow.masteradam import MasterAdamW
@@ -160,11 +161,6 @@ def test_perf_optimizer_resolves_where_it_applies():
     assert optimizer_choice({"optimizer": "fused"}, 0, "bf16", False, cuda=False) == "fused"
     with pytest.raises(UsageError, match="train.perf.optimizer: fused needs"):
         optimizer_choice({"optimizer": "fused"}, 2, "bf16", False, cuda=True)
-
-
-def losses(repo):
-    rows = (repo / "dvclive/plots/metrics/train/loss.tsv").read_text().splitlines()[1:]
-    return {int(r.split("\t")[0]): float(r.split("\t")[1]) for r in rows}
 
 
 def run(prepared, dest, gpus, env=None, check=True, **train):
