@@ -305,3 +305,65 @@ def test_groups_and_missing_gradients_take_the_same_step_in_both_kernels(monkeyp
         torch.testing.assert_close(x.float(), y.float(), rtol=2**-7, atol=0)
     # The parameter without gradients still moved: weight decay, as with DeepSpeed's zeros.
     assert (ot._view(0, "master", 1) != start).all()
+
+
+def test_the_triton_kernel_skips_a_non_finite_step_without_waiting_for_the_device(monkeypatch):
+    """On the GPU's path the host never reads the gradient norm: the kernel skips the step
+    itself and the step count stays on the device. Steps 1, NaN, 3 in Triton's interpreter:
+    no host read during step(), the NaN step leaves masters, moments, weights and the step
+    count as they were and says so in `applied` (not in `overflow`: the engine would wait for
+    it), and the next step takes torch's AdamW step 2 (its bias correction)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dsflow import masteradam
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(masteradam, "_KERNEL", None)
+
+    class HostReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (
+                torch.ops.aten._local_scalar_dense.default,
+                torch.ops.aten.is_nonzero.default,
+            ):
+                HostReads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    runs = {}
+    for kernel in ("torch", "triton"):
+        net, _ = nets()
+        opt = MasterAdamW(list(net.parameters()), max_grad_norm=1.0, kernel=kernel, **HYPER)
+        for seed in (0, 1, 2):
+            backward(net, seed)
+            if seed == 1:
+                next(net.parameters()).grad[0, 0] = float("nan")
+                before = copy.deepcopy(opt.state_dict())
+                weights = [p.clone() for p in net.parameters()]
+            if kernel == "triton" and seed > 0:  # the first builds its launch tables on the host
+                with HostReads():
+                    opt.step()
+            else:
+                opt.step()
+            assert bool(opt.applied) == (seed != 1)
+            if seed == 1 and kernel == "triton":
+                assert not opt.overflow
+                after = opt.state_dict()
+                assert after["state"][0]["step"] == before["state"][0]["step"] == 1
+                for key in ("master", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(after["state"][0][key], before["state"][0][key])
+                assert all(
+                    torch.equal(a, b) for a, b in zip(net.parameters(), weights, strict=True)
+                )
+            opt.zero_grad()
+        assert opt.state_dict()["state"][0]["step"] == 2
+        runs[kernel] = opt
+    assert HostReads.count == 0
+    for i in range(len(runs["torch"].param_groups[0]["params"])):
+        torch.testing.assert_close(
+            runs["triton"]._view(0, "master", i),
+            runs["torch"]._view(0, "master", i),
+            rtol=2e-6,
+            atol=1e-7,
+        )

@@ -33,8 +33,6 @@ the optimizer DeepSpeed runs on CPU (`torch_adam`), so a CPU run matches DeepSpe
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 FORMAT = "dsflow.MasterAdamW/1"
@@ -60,6 +58,7 @@ class MasterAdamW(torch.optim.Optimizer):
             raise ValueError(f"MasterAdamW kernel: auto, triton or torch, not {kernel!r}")
         self.kernel = kernel
         self.overflow = False
+        self.applied: torch.Tensor | None = None  # bool on the device: was the last step taken
         self._global_grad_norm = None
         # Built at first use: DeepSpeed moves the model to its device after this constructor.
         self._flat: list[dict] = []
@@ -97,7 +96,7 @@ class MasterAdamW(torch.optim.Optimizer):
                 master[start : start + p.numel()].copy_(p.detach().reshape(-1))
             self._flat.append(
                 {
-                    "step": 0,
+                    "step": torch.zeros((), dtype=torch.int64, device=ps[0].device),
                     "master": master,
                     "exp_avg": torch.zeros_like(master),
                     "exp_avg_sq": torch.zeros_like(master),
@@ -128,23 +127,34 @@ class MasterAdamW(torch.optim.Optimizer):
         norms = torch._foreach_norm(flat_grads, 2, dtype=torch.float32)
         total = torch.linalg.vector_norm(torch.stack(norms))
         self._global_grad_norm = total
-        # The one host sync of a step: the engine needs to know now whether it was applied.
-        self.overflow = not bool(torch.isfinite(total))
-        if self.overflow:
-            return None
+        finite = torch.isfinite(total)
         # DeepSpeed's unscale_and_clip_grads (loss scale 1 in bf16), in fp32 on the device.
         combined = torch.ones((), dtype=torch.float32, device=total.device)
         if self.max_grad_norm > 0:
             clip = (total + 1e-6) / self.max_grad_norm
             combined = torch.where(clip > 1, clip, combined)
         scale = 1.0 / combined
+        if all(self._triton(g["params"][0].device) for g in self.param_groups):
+            # No host sync: the kernel itself skips a non-finite step (its `ok` flag), and the
+            # step count lives on the device. The engine is told nothing overflowed (it cannot
+            # wait for the answer without stalling the host; the one effect: its learning-rate
+            # schedule advances on a skipped step too); `applied` says what happened.
+            self.overflow = False
+            self.applied = finite
+            scale = torch.where(finite, scale, torch.zeros_like(scale))
+            for gi, group in enumerate(self.param_groups):
+                flat = self._state()[gi]
+                flat["step"] += finite
+                self._step_triton(gi, group, grads[gi], scale, finite)
+            return None
+        self.overflow = not bool(finite)
+        self.applied = finite
+        if self.overflow:
+            return None
         for gi, group in enumerate(self.param_groups):
             flat = self._state()[gi]
             flat["step"] += 1
-            if self._triton(group["params"][0].device):
-                self._step_triton(gi, group, grads[gi], scale)
-            else:
-                self._step_torch(gi, group, grads[gi], scale)
+            self._step_torch(gi, group, grads[gi], scale)
         return None
 
     def _step_torch(self, gi, group, grads, scale) -> None:
@@ -156,7 +166,7 @@ class MasterAdamW(torch.optim.Optimizer):
         exp_avg_sqs = [self._view(gi, "exp_avg_sq", i) for i in range(len(ps))]
         g32 = [g.float() * scale for g in grads]  # a new tensor: p.grad stays as it is
         # torch's Adam advances each tensor's step count itself: from the last one.
-        steps = [torch.tensor(float(self._flat[gi]["step"] - 1)) for _ in ps]
+        steps = [torch.tensor(float(self._flat[gi]["step"]) - 1.0) for _ in ps]
         beta1, beta2 = group["betas"]
         adam(
             masters,
@@ -178,7 +188,7 @@ class MasterAdamW(torch.optim.Optimizer):
         for p, w in zip(ps, masters, strict=True):
             p.copy_(w)
 
-    def _step_triton(self, gi, group, grads, scale) -> None:
+    def _step_triton(self, gi, group, grads, scale, finite) -> None:
         """One launch for the whole group: each program takes BLOCK elements of one tensor,
         found through tables of chunk -> tensor and tensor -> pointers, sizes, offsets."""
         kernel = _triton_kernel()
@@ -204,7 +214,12 @@ class MasterAdamW(torch.optim.Optimizer):
             pin_memory=cuda,
         ).to(device, non_blocking=cuda)
         beta1, beta2 = group["betas"]
-        step = flat["step"]
+        # FusedAdam's bias corrections, from the step count on the device: 1 - beta**step in
+        # fp64, then fp32 (what a Python float argument becomes in the kernel).
+        step = flat["step"].double()
+        scalars = torch.stack(
+            [scale, finite.float(), (1.0 - beta1**step).float(), (1.0 - beta2**step).float()]
+        )
         kernel[(chunk_t.numel(),)](
             chunk_t,
             chunk_s,
@@ -215,14 +230,12 @@ class MasterAdamW(torch.optim.Optimizer):
             flat["master"],
             flat["exp_avg"],
             flat["exp_avg_sq"],
-            scale,
+            scalars,
             group["lr"],
             beta1,
             beta2,
             group["eps"],
             group["weight_decay"],
-            1.0 - math.pow(beta1, step),
-            1.0 - math.pow(beta2, step),
             BLOCK=BLOCK,
             BF16=ps[0].dtype == torch.bfloat16,
             ALIGN=ALIGN,
@@ -248,7 +261,7 @@ class MasterAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         state = [
-            {k: flat[k] for k in ("step", "master", "exp_avg", "exp_avg_sq")}
+            {"step": int(flat["step"]), **{k: flat[k] for k in ("master", "exp_avg", "exp_avg_sq")}}
             for flat in self._state()
         ]
         return {"format": FORMAT, "param_groups": groups, "state": state}
@@ -267,7 +280,7 @@ class MasterAdamW(torch.optim.Optimizer):
                 raise ValueError(f"MasterAdamW state: parameter group {gi} has another size")
             for key in ("master", "exp_avg", "exp_avg_sq"):
                 flat[key].copy_(saved[key])
-            flat["step"] = int(saved["step"])
+            flat["step"].fill_(int(saved["step"]))
             self.param_groups[gi].update(state_dict["param_groups"][gi])
             # The 16-bit weights are the masters rounded: what they were when saved.
             for i, p in enumerate(self.param_groups[gi]["params"]):
@@ -299,14 +312,12 @@ def _triton_kernel():
         w_ptr,
         m_ptr,
         v_ptr,
-        scale_ptr,
+        scalars,
         lr,
         beta1,
         beta2,
         eps,
         decay,
-        bc1,
-        bc2,
         BLOCK: tl.constexpr,
         BF16: tl.constexpr,
         ALIGN: tl.constexpr,
@@ -326,8 +337,12 @@ def _triton_kernel():
             p_ptr = p_addr.to(tl.pointer_type(tl.float32))
             g_ptr = g_addr.to(tl.pointer_type(tl.float32))
         offs = tl.multiple_of(tl.load(chunk_s + c), BLOCK) + tl.arange(0, BLOCK)
-        mask = offs < n
-        scale = tl.load(scale_ptr)
+        # scale, ok (0: a non-finite gradient norm, the step is skipped), bias corrections
+        scale = tl.load(scalars)
+        ok = tl.load(scalars + 1)
+        bc1 = tl.load(scalars + 2)
+        bc2 = tl.load(scalars + 3)
+        mask = offs < tl.where(ok != 0.0, n, 0)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
         w = tl.load(w_ptr + base + offs, mask=mask, other=0.0)
         m = tl.load(m_ptr + base + offs, mask=mask, other=0.0)
