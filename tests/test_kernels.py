@@ -324,3 +324,30 @@ def test_step_profiler_writes_the_phase_table_and_trace(tmp_path):
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"dsflow/forward", "dsflow/bookkeeping"} <= names
     assert prof.prof is None and prof.open is None
+
+
+@pytest.mark.parametrize("ce_chunk", [0, 17])
+def test_the_training_forward_reads_nothing_back_from_the_device(ce_chunk):
+    """A host read in the forward (HF's packed-sequence check of the position ids) is a host
+    sync on the GPU: the training forward has none (a dense model: HF's eager experts read
+    their token counts, the sorted experts of the GPU do not), and the loss is the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class HostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (
+                torch.ops.aten._local_scalar_dense.default,
+                torch.ops.aten.is_nonzero.default,
+            ):
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    model = tiny(first_k_dense_replace=4)
+    inputs, targets = batch()
+    with HostReads():
+        loss = TrainingLM(model, ce_chunk=ce_chunk)(inputs, targets)
+    assert reads == []
+    expected = mean_loss(model, inputs, targets)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)

@@ -10,6 +10,7 @@ Training goes through `TrainingLM`, whose forward is the loss, optionally fused 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -87,6 +88,33 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
 
 
+def _not_packed(position_ids):
+    return None
+
+
+@contextlib.contextmanager
+def unpacked_windows():
+    """HF builds the causal mask by first asking whether the batch packs several sequences per
+    row (position ids that restart), and answers with a host read of a device tensor: one
+    host sync per forward, after which the GPU idles until the host has launched enough of
+    the forward's kernels again. dsflow's windows are never packed (HF makes the position ids,
+    0..seq-1 in every row, for which the check answers None): answer None without looking."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:  # another transformers: leave it as it is
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = _not_packed
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 class TrainingLM(torch.nn.Module):
     """What DeepSpeed trains: forward(inputs, targets) -> mean token NLL.
 
@@ -110,8 +138,10 @@ class TrainingLM(torch.nn.Module):
             return self.hf(input_ids=input_ids, **kwargs)
         inputs = input_ids
         if not self.ce_chunk:
-            return mean_loss(self.hf, inputs, targets)
-        hidden = self.model(input_ids=inputs, use_cache=False).last_hidden_state
+            with unpacked_windows():
+                return mean_loss(self.hf, inputs, targets)
+        with unpacked_windows():
+            hidden = self.model(input_ids=inputs, use_cache=False).last_hidden_state
         return linear_cross_entropy(
             hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.ce_chunk
         )
