@@ -9,9 +9,9 @@ the same data, seed, batch and sequence length) twice:
   checks, ZeRO-2;
 - dsflow: params.yaml's defaults (`train.perf`: compiled layers, padded flash attention, fused
   lm_head + cross-entropy, prefetched pinned batches, fused gradient checks, for MoE models the
-  sorted experts and the router hooks traced into the compiled layers; `zero_stage: auto`,
-  which is ZeRO-1 on one GPU, so `zero1` is `dsflow` there and `no-overlap` changes nothing:
-  use `zero2+no-overlap`);
+  sorted experts and the router hooks traced into the compiled layers; dsflow's fused
+  optimizer, so `zero_stage: auto` is ZeRO-0 on one GPU; each step's numbers read one step
+  late; `no-overlap` changes nothing there: use `zero2+no-overlap`);
 - optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
   `no-fused-ce`, `no-prefetch`, `no-fused-checks`) to see what each gives, an opt-in one on
   (`cudagraphs`), a ZeRO stage (`zero2`, the default before `auto`; `zero1`, `zero0`: one GPU
@@ -20,7 +20,9 @@ the same data, seed, batch and sequence length) twice:
   off (`no-overlap`); the MoE levers off: `hf-experts` (train.perf.experts: hf), `eager-hooks`
   (train.perf.compile_router_hooks: false); `sorted-experts`, `compiled-hooks` and
   `sorted-compiled-hooks` turn them on (defaults since the sixth session, opt-in before);
-  `fused-optimizer` (train.perf.optimizer: fused, at ZeRO-0: opt-in, measured slower so far).
+  `fused-optimizer` (train.perf.optimizer: fused, at ZeRO-0: the default on one GPU),
+  `deepspeed-optimizer` (DeepSpeed's bf16 optimizer: then `zero_stage: auto` is ZeRO-1 on one
+  GPU), `sync-metrics` (train.perf.async_metrics: false: each step's numbers read at once).
 
 - noise, noise-ce: the baseline with one exact change of kernel each (flash attention on
   zero-padded V; the chunked lm_head + cross-entropy), which measure bf16 noise: how far curves
@@ -78,6 +80,7 @@ VARIANTS = {
             "fused_grad_checks": False,
             "experts": "hf",
             "optimizer": "deepspeed",
+            "async_metrics": False,
         },
     },
     "dsflow": {},
@@ -98,9 +101,12 @@ VARIANTS = {
     "zero1": {"zero_stage": 1},
     "zero1-hooks": {"zero_stage": 1, "zero": {"overlap_comm": True, "contiguous_gradients": True}},
     "zero0": {"zero_stage": 0},
-    # dsflow's fused AdamW with fp32 masters instead of DeepSpeed's bf16 optimizer (opt-in);
-    # with zero_stage auto that is ZeRO-0 on one GPU
+    # dsflow's fused AdamW with fp32 masters instead of DeepSpeed's bf16 optimizer; with
+    # zero_stage auto that is ZeRO-0; the default on one GPU since the eighth session
     "fused-optimizer": {"perf": {"optimizer": "fused"}},
+    "deepspeed-optimizer": {"perf": {"optimizer": "deepspeed"}},
+    # each step's numbers read at once (a host sync per step), not one step late
+    "sync-metrics": {"perf": {"async_metrics": False}},
     "no-overlap": {"zero": {"overlap_comm": False}},
     "cudagraphs": {"perf": {"compile_mode": "reduce-overhead"}},
 }

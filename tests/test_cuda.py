@@ -194,3 +194,30 @@ def test_cuda_fused_optimizer_trains_like_deepspeeds(prepared, tmp_path):
     rel = {step: abs(b[step] - a[step]) / abs(a[step]) for step in a}
     assert max(rel.values()) <= 2e-2, rel
     assert b[max(b)] < b[min(b)] - 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_numbers_read_one_step_late_are_the_numbers_read_at_once(prepared, tmp_path):
+    """train.perf.async_metrics on a GPU (pinned copies, CUDA events): the same run read at
+    once and read one step late logs the same losses and gradient norms (the same kernels: at
+    most the run-to-run noise of atomics), a positive time for every step, and step times that
+    add up to no more than the run's wall time."""
+    runs = {}
+    for late in (False, True):
+        repo = tmp_path / f"late-{late}"
+        perf = {"async_metrics": late}
+        trained_copy(
+            prepared, repo, {"train": {**ON_GPU["train"], "precision": "bf16", "perf": perf}}
+        )
+        runs[late] = repo
+    for name in ("train/loss", "train/grad_norm"):
+        a, b = losses(runs[False], name), losses(runs[True], name)
+        assert a.keys() == b.keys()
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-2), (name, step)
+    step_s = losses(runs[True], "perf/step_s")
+    assert sorted(step_s) == sorted(losses(runs[True])) and min(step_s.values()) > 0
+    metrics = json.loads((runs[True] / "metrics/train.json").read_text())
+    assert sum(step_s.values()) <= metrics["wall_s"]

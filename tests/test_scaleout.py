@@ -105,19 +105,21 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     # Less GPU memory, a costlier layout: ZeRO-2, then ZeRO-3 + optimizer offload (ZeRO-3 alone
     # does not fit 8 GB), then parameter offload too.
     assert picks == {80: (2, False, False), 8: (3, True, False), 4: (3, True, True)}
-    # One GPU: ZeRO-1, which holds what ZeRO-2 does there, without DeepSpeed's gradient hooks
-    # (ZeRO-0 where dsflow's fused optimizer is asked for, in bf16); where that does not fit,
-    # the same costlier layouts. ZeRO-3 partitions nothing there, so ZeRO-2 with optimizer
-    # offload is next.
+    # One GPU: ZeRO-0 with dsflow's fused optimizer (bf16: the default there); ZeRO-1 with
+    # DeepSpeed's (it holds what ZeRO-2 does there, without DeepSpeed's gradient hooks); where
+    # that does not fit, the same costlier layouts. ZeRO-3 partitions nothing there, so ZeRO-2
+    # with optimizer offload is next.
     alone = {mem: planner.auto_layout(medium, 1, "cuda", mem * gb, host) for mem in (80, 8)}
-    assert alone[80][:3] == (1, False, False) and "one GPU: ZeRO-1" in alone[80][3]
+    assert alone[80][:3] == (0, False, False) and "ZeRO-0, for dsflow's fused" in alone[80][3]
     assert alone[8][:3] == (2, True, False)
+    ds = P.deep_merge(medium, {"train": {"perf": {"optimizer": "deepspeed"}}})
+    zero1 = planner.auto_layout(ds, 1, "cuda", 80 * gb, host)
+    assert zero1[:3] == (1, False, False) and "one GPU: ZeRO-1" in zero1[3]
     fused = P.deep_merge(medium, {"train": {"perf": {"optimizer": "fused"}}})
-    zero0 = planner.auto_layout(fused, 1, "cuda", 80 * gb, host)
-    assert zero0[:3] == (0, False, False) and "ZeRO-0, for dsflow's fused optimizer" in zero0[3]
     fp32 = P.deep_merge(fused, {"train": {"precision": "fp32"}})
     assert planner.auto_layout(fp32, 1, "cuda", 80 * gb, host)[:3] == (1, False, False)
-    # The fused optimizer runs at ZeRO-0 only: auto tries it first on several GPUs too.
+    # The fused optimizer runs at ZeRO-0 only: asked for, auto tries it first on several GPUs
+    # too; auto alone keeps DeepSpeed's there (ZeRO-2, above).
     assert planner.auto_layout(fused, 3, "cuda", 80 * gb, host)[:3] == (0, False, False)
     # Parameter offload exists at ZeRO-3 only: asked for, auto plans there (it failed before).
     par = P.deep_merge(medium, {"train": {"offload": {"param": "cpu"}}})

@@ -180,6 +180,30 @@ def test_fast_paths_train_the_same_curve(prepared, baseline, tmp_path):
     )
 
 
+def test_numbers_read_one_step_late_log_the_same_run(prepared, baseline, tmp_path):
+    """train.perf.async_metrics (on by default on GPUs): each step's loss, gradient norm,
+    expert counts, stop flag and memory are read back one step late (3 ranks: all-reduced and
+    gathered on the device). Steps 1-4, 7-9 and 11 are read late here (checkpoints every 5,
+    validation every 6): every logged number is the one read at once, the checkpoints are the
+    same, and the expert stats are there."""
+    repo = tmp_path / "repo"
+    proc = trained_copy(prepared, repo, {"train": {"perf": {"async_metrics": True}}})
+    assert "step metrics read one step late" in proc.stderr
+    names = ["train/loss", "train/grad_norm", "train/lr", "train/skipped_steps", "tokens"]
+    names += ["val/loss", "experts/max_over_mean", "experts/entropy_min"]
+    for name in names:
+        late, now = losses(repo, name), losses(baseline, name)
+        assert late == now and late, name
+    assert sorted(losses(repo, "perf/step_s")) == list(range(1, 13))
+    tags = sorted(p.name for p in (repo / "checkpoints").glob("step*"))
+    assert tags == sorted(p.name for p in (baseline / "checkpoints").glob("step*"))
+    late = json.loads((repo / "metrics/train.json").read_text())
+    now = json.loads((baseline / "metrics/train.json").read_text())
+    for key in ("train_loss", "val_loss", "experts_max_over_mean", "experts_entropy_min"):
+        assert late[key] == now[key] and late[key] is not None, key
+    assert len(late["peak_memory_gb_per_rank"]) == 3
+
+
 def test_logging_a_step_does_not_reread_the_run_so_far(tmp_path, monkeypatch):
     """DVCLive 3.49 re-reads every metric's whole TSV at each step to post to DVC Studio, even
     when Studio is not set up, so a step's logging grows with the run (32 ms at step 2000 on

@@ -291,20 +291,38 @@ class ExpertBalancer:
         torch.distributed is initialized (every rank must call it), move each router's bias
         by ``gamma * sign(mean_load - load)`` in place, reset the counts, return the stats
         (see :func:`aggregate_stats`; ``bias_abs_max`` is the largest |bias| after the update)."""
+        return self.stats_of(self.update_async(group))
+
+    def update_async(self, group: Any = None, applied: Any = True) -> dict[str, Any]:
+        """:meth:`update` without reading anything back from the device: returns the step's
+        reduced counts and the largest |bias| as device tensors, for :meth:`stats_of` once they
+        are on the host (dsflow.readback). ``applied``: a bool, or a bool tensor on the device
+        (a fused optimizer that decides on the device whether it took the step); where it is
+        false the biases stay."""
         if not self.routers:
-            return aggregate_stats({})
+            return {}
         counts = self._reduced("_counts", group)
-        if self.gamma > 0:
+        biases = [r.e_score_correction_bias for _, r in self.routers]
+        if self.gamma > 0 and applied is not False:
             load = counts.to(torch.float64)
             step = torch.sign(load.mean(-1, keepdim=True) - load) * self.gamma
+            if isinstance(applied, torch.Tensor):
+                step = step * applied.to(device=step.device, dtype=step.dtype)
+            step = step.to(device=biases[0].device, dtype=biases[0].dtype)
             with torch.no_grad():
-                for i, (_, router) in enumerate(self.routers):
-                    bias = router.e_score_correction_bias
-                    bias.add_(step[i].to(device=bias.device, dtype=bias.dtype))
-        stats = self._stats(counts)
-        biases = [r.e_score_correction_bias.detach().abs().max() for _, r in self.routers]
-        stats["bias_abs_max"] = float(torch.stack(biases).max())
+                torch._foreach_add_(biases, list(step.unbind(0)))
+        norms = torch._foreach_norm([b.detach() for b in biases], float("inf"))
+        snapshot = {"counts": counts.clone(), "bias_abs_max": torch.stack(norms).max()}
         counts.zero_()
+        return snapshot
+
+    def stats_of(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+        """The stats of :meth:`update` from what :meth:`update_async` returned (its tensors
+        on the device or read back: `counts` a tensor, `bias_abs_max` a tensor or float)."""
+        if not snapshot:
+            return aggregate_stats({})
+        stats = self._stats(snapshot["counts"])
+        stats["bias_abs_max"] = float(snapshot["bias_abs_max"])
         return stats
 
     def sync_bias(self, group: Any = None) -> None:

@@ -30,9 +30,14 @@
   with the hooks traced, 1.16x the MoE step on one H200 (docs/performance.md).
 - `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.masteradam) instead of
   DeepSpeed's bf16 optimizer wrapper: one pass over memory for the whole step, no copies of
-  the gradients into fp32 buffers. ZeRO-0 in bf16 only (it partitions nothing; `zero_stage:
-  auto` picks ZeRO-0 when it is asked for). Opt-in: its first version measured slower than
-  DeepSpeed's ZeRO-1 on one H200 (`auto` = deepspeed).
+  the gradients into fp32 buffers, and no host sync (it skips a non-finite step on the device).
+  ZeRO-0 in bf16 only (it partitions nothing; `zero_stage: auto` picks ZeRO-0 where it is
+  wanted). `auto` = fused on one GPU: 109.2 against 130.5 ms for DeepSpeed's ZeRO-1 MoE step
+  on one H200 (docs/performance.md); DeepSpeed's on several GPUs (unmeasured there) and CPU.
+- `async_metrics`: each step's numbers (loss, gradient norm, expert counts, memory, the stop
+  flag) are read back one step late (dsflow.readback), so the host queues the next step
+  while the GPU finishes this one instead of waiting for it: 104.0 -> 89.2 ms for the MoE
+  step on one H200. `auto` = on for CUDA.
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
   the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
   micro batch, at the price of one more forward (off by default: it is slower at a given batch).
@@ -73,6 +78,7 @@ class Perf:
     # experts: auto chose sorted: keep HF's experts where sorted does not apply, not an error
     experts_fallback: bool = False
     optimizer: str = "deepspeed"  # "deepspeed" | "fused" (dsflow.masteradam, ZeRO-0 bf16)
+    async_metrics: bool = False  # each step's numbers read back one step late (dsflow.readback)
 
     @property
     def hooks_traced(self) -> bool:
@@ -89,7 +95,8 @@ class Perf:
             f"fused gradient checks {'on' if self.fused_grad_checks else 'off'}, "
             f"experts {self.experts}{' where it applies' if self.experts_fallback else ''}, "
             f"router hooks {'compiled' if self.hooks_traced else 'eager'}, "
-            f"optimizer {'fused AdamW (fp32 masters)' if self.optimizer == 'fused' else 'DeepSpeed'}"
+            f"optimizer {'fused AdamW (fp32 masters)' if self.optimizer == 'fused' else 'DeepSpeed'}, "
+            f"step metrics {'read one step late' if self.async_metrics else 'read at once'}"
         )
 
 
@@ -99,6 +106,7 @@ def resolve(
     zero_stage: int = 2,
     precision: str = "bf16",
     optimizer_offload: bool = False,
+    world: int = 1,
 ) -> Perf:
     """`train.perf` with every `auto` decided for this device (see the module docstring)."""
     cuda = device_type == "cuda"
@@ -146,21 +154,23 @@ def resolve(
         experts=experts,
         experts_fallback=experts_auto and experts == "sorted",
         compile_router_hooks=bool(perf.get("compile_router_hooks", True)),
-        optimizer=optimizer_choice(perf, zero_stage, precision, optimizer_offload, cuda),
+        optimizer=optimizer_choice(perf, zero_stage, precision, optimizer_offload, cuda, world),
+        async_metrics=bool(pick("async_metrics", True, False)),
     )
 
 
 def optimizer_choice(
-    perf: dict, zero_stage: int, precision: str, optimizer_offload: bool, cuda: bool
+    perf: dict, zero_stage: int, precision: str, optimizer_offload: bool, cuda: bool, world: int = 1
 ) -> str:
-    """`train.perf.optimizer`: dsflow's fused AdamW, opt-in where it applies (ZeRO-0, bf16, the
-    optimizer on the device); DeepSpeed's otherwise and for `auto`: on one H200 its first
-    version made the MoE step slower, not faster (2.15x its baseline in one call, ZeRO-1 2.38x
-    in another, docs/performance.md), so it is not a default until a GPU run says otherwise."""
+    """`train.perf.optimizer`: dsflow's fused AdamW where it applies (ZeRO-0, bf16, the optimizer
+    on the device); `auto` takes it on one GPU (on one H200: 109.2 against 130.5 ms for
+    DeepSpeed's ZeRO-1 in one call, docs/performance.md; on several GPUs ZeRO-0 would hold a
+    full optimizer state on each, and it is unmeasured there) and DeepSpeed's elsewhere, and
+    on CPU, where the fused one is torch's AdamW, the same as DeepSpeed's."""
     value = perf.get("optimizer", "auto")
     fits = zero_stage == 0 and precision == "bf16" and not optimizer_offload
     if value == "auto":
-        return "deepspeed"
+        return "fused" if cuda and world == 1 and fits else "deepspeed"
     if value == "fused" and not fits:
         raise UsageError(
             "train.perf.optimizer: fused needs train.zero_stage 0 (or auto, where ZeRO-0 fits) "

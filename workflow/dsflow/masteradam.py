@@ -15,17 +15,19 @@ pointers), scales it, updates master and moments and writes the bf16 weight: 28 
 parameter, the same as fp32 Adam alone. The gradient norm is one multi-tensor launch
 (`_foreach_norm`, fp32). It runs under DeepSpeed at ZeRO-0 as a client optimizer, with
 DeepSpeed's bf16 wrapper and gradient clipping off (this class clips, from the same norm),
-selected by `train.perf.optimizer: fused` (dsflow.kernels).
+selected by `train.perf.optimizer` (`fused`; `auto` on one GPU: dsflow.kernels).
 
-Opt-in. Its first version, one launch per tensor (~250 a MoE step), made the MoE step on one
-H200 slower: 137.2 ms against 295.3 ms for the stock baseline in the same call, where
-DeepSpeed's ZeRO-1 had taken 109.8 against 260.8 in another (docs/performance.md). The host is
-the suspect (it is already the bottleneck of that step); this one-launch version is checked
-on CPU in Triton's interpreter, and has not been timed on a GPU.
+On one H200 its first version, one launch per tensor (~250 a MoE step), made the MoE step
+slower than DeepSpeed's ZeRO-1 (2.15x its baseline against 2.38x); this one-launch version
+made it faster: 109.2 against 130.5 ms in one call (docs/performance.md), so `auto` takes it
+on one GPU. On the GPU's path the step takes no host sync: the kernel skips a non-finite step
+itself and the step count lives on the device (`applied` tells the caller what happened).
 
 The math is DeepSpeed's bf16 ZeRO step: the fp32 gradient is multiplied by 1 / max(1, (norm +
-1e-6) / max_norm); a step whose gradient norm is inf/NaN is skipped (`overflow`, which the
-engine reads: no scheduler step either) and leaves master, moments and step count untouched.
+1e-6) / max_norm); a step whose gradient norm is inf/NaN is skipped and leaves master,
+moments and step count untouched. On CPU `overflow` says so and the engine reads it (no
+scheduler step either); on the GPU `overflow` stays false, so that the engine does not wait for
+the norm, and its learning-rate schedule advances over a skipped step.
 On CUDA the update is a Triton kernel with FusedAdam's formula (AdamW mode, IEEE division and
 square root, bf16 rounded to nearest even); elsewhere it is torch's AdamW (`torch.optim.adam.adam`, decoupled weight decay),
 the optimizer DeepSpeed runs on CPU (`torch_adam`), so a CPU run matches DeepSpeed's own.

@@ -1160,7 +1160,7 @@ def resolve(
             {"overlap_comm": "auto", "contiguous_gradients": "auto", **zcfg}, zero, world, "cuda"
         )[0],
         seq_aux=float(train.get("balance", {}).get("seq_aux_alpha", 0.0)) > 0,
-        fused_optimizer=(train.get("perf") or {}).get("optimizer", "auto") == "fused",
+        fused_optimizer=fused_optimizer_wanted(train, world),
         keep_checkpoints=int(train.get("keep_checkpoints", 2)),
         gpu_mem_bytes=gpu_mem_bytes,
         gpu_mem_source=gpu_source,
@@ -1314,17 +1314,26 @@ def run(params: dict, args: Any = None) -> None:
         f.write("\n")
 
 
+def fused_optimizer_wanted(train: dict, world: int) -> bool:
+    """train.perf.optimizer asks for dsflow's fused optimizer (dsflow.masteradam) where it can
+    run: `fused` on any number of GPUs, `auto` on one GPU (where it was measured faster than
+    DeepSpeed's, docs/performance.md); bf16, the optimizer on the GPU. It runs at ZeRO-0."""
+    value = (train.get("perf") or {}).get("optimizer", "auto")
+    offload = (train.get("offload") or {}).get("optimizer", "none") != "none"
+    wanted = value == "fused" or (value == "auto" and world == 1)
+    return wanted and train.get("precision") == "bf16" and not offload
+
+
 def auto_first_stage(train: dict, world: int) -> int:
     """The first ZeRO stage `train.zero_stage: auto` tries on GPUs: ZeRO-2; on one GPU, where
-    there is nothing to partition, ZeRO-1 (no per-parameter gradient hooks); ZeRO-0 when
-    dsflow's fused optimizer is asked for (train.perf.optimizer: fused, bf16), the one stage it
-    runs at; ZeRO-3 with parameter offload (it exists only there)."""
+    there is nothing to partition, ZeRO-1 (no per-parameter gradient hooks); ZeRO-0 where
+    dsflow's fused optimizer is wanted (`fused_optimizer_wanted`: on one GPU by default), the
+    one stage it runs at; ZeRO-3 with parameter offload (it exists only there)."""
     offload = train.get("offload") or {}
     if offload.get("param", "none") != "none":
         return 3
-    fused = (train.get("perf") or {}).get("optimizer", "auto") == "fused"
-    if fused and train.get("precision") == "bf16" and offload.get("optimizer", "none") == "none":
-        return 0  # the fused optimizer's one stage, on any number of GPUs
+    if fused_optimizer_wanted(train, world):
+        return 0
     return 1 if world == 1 else 2
 
 

@@ -121,6 +121,7 @@ def plan_run(params: dict) -> dict:
         precision="fp16" if ds_config.get("fp16", {}).get("enabled") else train["precision"],
         optimizer_offload=dsconfig.offload_device(ds_config["zero_optimization"], "optimizer")
         != "none",
+        world=world,
     )
     if perf.optimizer == "fused":
         ds_config = dsconfig.for_client_optimizer(ds_config, built, train["ds_config"])

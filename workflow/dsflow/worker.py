@@ -37,6 +37,7 @@ from dsflow.flops import flops_per_token, mfu, peak_flops
 from dsflow.lm import TrainingLM, evaluate_loss
 from dsflow.masteradam import MasterAdamW
 from dsflow.model import build_model, model_config, param_counts
+from dsflow.readback import EventClock, Readback
 
 SHARDS = Path("data/shards")
 TOKENIZER = Path("data/tokenizer")
@@ -74,12 +75,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-def all_mean(value: float, device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
 
 
 def all_sum(values: list[float], device) -> list[float]:
@@ -184,17 +179,31 @@ class StepClock:
     """A step's time is the period since the last step ended, so the per-step bookkeeping (loss
     all-reduce, expert stats, logging), during which the device idles, counts; what runs
     inside `aside()` (validation, checkpoint saves, profile writing) does not: it is
-    reported on its own. The first step is timed from its own start."""
+    reported on its own. The first step is timed from its own start.
 
-    def __init__(self):
+    With `events` (CUDA, train.perf.async_metrics) the host does not wait for a step's end, so
+    the period is measured between CUDA events on the device (dsflow.readback.EventClock):
+    `step_done` then returns a span that `seconds` turns into seconds once it has passed."""
+
+    def __init__(self, events: bool = False):
         self.last_end: float | None = None
         self.set_aside = 0.0  # seconds inside aside() since last_end
+        self.events = EventClock() if events else None
 
-    def step_done(self, started: float) -> float:
+    def step_begins(self) -> None:
+        if self.events is not None:
+            self.events.step_begins()
+
+    def step_done(self, started: float, end_event=None) -> float | tuple:
+        if self.events is not None:
+            return self.events.step_done(end_event)
         now = time.perf_counter()
         dt = now - (started if self.last_end is None else self.last_end) - self.set_aside
         self.last_end, self.set_aside = now, 0.0
         return dt
+
+    def seconds(self, span: float | tuple) -> float:
+        return span if isinstance(span, float) else EventClock.seconds(span)
 
     @contextlib.contextmanager
     def aside(self):
@@ -203,6 +212,8 @@ class StepClock:
             yield
         finally:
             self.set_aside += time.perf_counter() - t
+            if self.events is not None:
+                self.events.aside()
 
 
 class StepHealth:
@@ -325,6 +336,10 @@ class StepProfiler:
         self.prof = profile(activities=activities)
         self.prof.__enter__()
         self.t0 = time.perf_counter()
+
+    def writes_at(self, step: int) -> bool:
+        """`step_ends(step)` writes the profile (host work the step's time leaves out)."""
+        return self.prof is not None and step == self.last
 
     def step_ends(self, step: int) -> None:
         self.mark(None)
@@ -770,10 +785,138 @@ def main() -> int:
     loss_value = float("nan")
     profiler = StepProfiler.from_env(rank, device_type)
     graphs = perf.compile and perf.compile_mode in ("reduce-overhead", "max-autotune")
-    clock = StepClock()
+    # One step late (train.perf.async_metrics): the host reads step N's numbers after it has
+    # queued step N+1, so the device never waits for the host between steps. Steps that
+    # evaluate, checkpoint or end the run are read at once (their decisions need them).
+    late = perf.async_metrics
+    cuda = device_type == "cuda"
+    clock = StepClock(events=late and cuda)
+    # The fused optimizer decides on the device whether it took a step (no host sync).
+    applied_on_device = isinstance(optimizer, MasterAdamW) and optimizer.kernel != "torch" and cuda
+
+    def capture(step_done: int, loss_sum: torch.Tensor, data_wait: float, t0: float) -> Readback:
+        """Step `step_done`'s numbers, queued for reading back (all ranks, same collectives)."""
+        loss = loss_sum / accum
+        if world > 1:
+            dist.all_reduce(loss)
+            loss = loss / world
+        if applied_on_device:
+            applied = optimizer.applied
+        else:
+            applied = bool(engine.was_step_applied())
+        if applied is False:
+            # A skipped update (overflow) must not move the expert biases either.
+            balancer.reset()
+            expert = {}
+        else:
+            expert = balancer.update_async(applied=applied)
+        requested = Stop.requested or (ckpt.CHECKPOINTS / ckpt.STOP_FILE).exists()
+        peaks = [
+            peak_memory_bytes(device),
+            torch.cuda.max_memory_reserved(device) if cuda else 0,
+        ]
+        values = {
+            "step": step_done,
+            "loss": loss,
+            "applied": applied,
+            "grad_norm": engine.get_global_grad_norm(),
+            "lr": engine.get_lr()[0],
+            "data_wait": data_wait,
+            **{f"expert.{k}": v for k, v in expert.items()},
+        }
+        if world > 1:
+            # All ranks take the stop decision together, from the same all-reduced flag.
+            flag = torch.tensor([1.0 if requested else 0.0], dtype=torch.float64, device=device)
+            dist.all_reduce(flag)
+            mine = torch.tensor(peaks, dtype=torch.int64, device=device)
+            gathered = torch.zeros(world * 2, dtype=torch.int64, device=device)
+            dist.all_gather_into_tensor(gathered, mine)
+            values.update(stop=flag[0], peaks=gathered.view(world, 2))
+        else:
+            values.update(stop=requested, peaks=[peaks])
+        if not late and cuda:
+            torch.cuda.synchronize(device)
+        record = Readback(values, device, timed=clock.events is not None)
+        record.dt = clock.step_done(t0, record.event)
+        return record
+
+    def finish(record: Readback) -> tuple[dict, bool]:
+        """Read a captured step back: health, validation when due, logging. Returns the health
+        event and whether a stop was requested."""
+        nonlocal loss_value, val_loss
+        v = record.values()
+        step_done = v["step"]
+        loss_value = v["loss"]
+        applied = bool(v["applied"])
+        snapshot = {k.split(".", 1)[1]: x for k, x in v.items() if k.startswith("expert.")}
+        expert = balancer.stats_of(snapshot) if applied else {}
+        grad_norm = v["grad_norm"]
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        event = health.observe(step_done, loss_value, applied, grad_norm)
+        dt = clock.seconds(record.dt)
+        tokens_per_s = global_tokens / dt
+        peaks = [[int(x) for x in row] for row in v["peaks"]]
+        memory, reserved = [p[0] for p in peaks], [p[1] for p in peaks]
+        eval_due = step_done % train["eval_every"] == 0 or step_done == steps
+        if not event["bad"] and eval_due:
+            with clock.aside():
+                val_loss = validate()
+        if rank == 0:
+            metrics = {
+                "train/loss": loss_value,
+                "train/lr": v["lr"],
+                "train/grad_norm": grad_norm,
+                "train/skipped_steps": float(health.skipped),
+                "perf/tokens_per_s": tokens_per_s,
+                "perf/mfu": mfu(tokens_per_s / world, fpt, peak),
+                "perf/step_s": dt,
+                "perf/data_wait_frac": v["data_wait"] / dt,
+                "memory/peak_gb_max": max(memory) / 1e9,
+                "experts/max_over_mean": expert.get("max_over_mean"),
+                "experts/entropy_min": expert.get("entropy_min"),
+                "tokens": step_done * global_tokens,
+            }
+            if event["spike"] is not None:
+                metrics["train/grad_norm_spike"] = event["spike"]
+                print(
+                    f"[dsflow train] step {step_done}: grad norm {grad_norm:.4g} is "
+                    f"{event['spike']:.1f}x its running median",
+                    file=sys.stderr,
+                )
+            if event["bad"]:
+                print(
+                    f"[dsflow train] step {step_done}: loss is {loss_value}; update skipped "
+                    f"({health.streak} in a row, the run stops at {health.max_bad})",
+                    file=sys.stderr,
+                )
+            elif event["skipped"]:
+                print(
+                    f"[dsflow train] step {step_done}: gradient overflow, update skipped "
+                    f"({health.skipped} skipped so far)",
+                    file=sys.stderr,
+                )
+            if val_loss is not None and eval_due:
+                metrics["val/loss"] = val_loss
+            if step_done % train["log_every"] == 0 or step_done == steps or "val/loss" in metrics:
+                logger.log(step_done, metrics)
+            logger.progress(loss_value, tokens_per_s)
+            history.append(
+                {
+                    "step": step_done,
+                    "dt": dt,
+                    "memory": memory,
+                    "reserved": reserved,
+                    "expert": expert,
+                    **metrics,
+                }
+            )
+        return event, bool(v["stop"])
+
+    pending: Readback | None = None
     while step < steps:
         profiler.step_begins(step + 1)
         faults.step_begins()
+        clock.step_begins()
         t0 = time.perf_counter()
         data_wait = 0.0
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -798,79 +941,28 @@ def main() -> int:
             faults.after_micro(step + 1, a)
         step += 1
         profiler.mark("sync")
-        if device_type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = clock.step_done(t0)
+        record = capture(step, loss_sum, data_wait, t0)
         profiler.mark("bookkeeping")
-        loss_value = all_mean(float(loss_sum) / accum, device)
-        # A skipped update (overflow) must not move the expert biases either.
-        applied = bool(engine.was_step_applied())
-        if applied:
-            expert = balancer.update()
-        else:
-            balancer.reset()
-            expert = {}
-        grad_norm = engine.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else None
-        event = health.observe(step, loss_value, applied, grad_norm)
-        tokens_per_s = global_tokens / dt
-        memory = all_gather_int(peak_memory_bytes(device), device)
-        reserved = all_gather_int(
-            torch.cuda.max_memory_reserved(device) if device_type == "cuda" else 0, device
+        due = (
+            not late
+            or step == steps
+            or step % train["eval_every"] == 0
+            or step % train["checkpoint_every"] == 0
         )
-        if not event["bad"] and (step % train["eval_every"] == 0 or step == steps):
-            with clock.aside():
-                val_loss = validate()
-        if rank == 0:
-            metrics = {
-                "train/loss": loss_value,
-                "train/lr": engine.get_lr()[0],
-                "train/grad_norm": grad_norm,
-                "train/skipped_steps": float(health.skipped),
-                "perf/tokens_per_s": tokens_per_s,
-                "perf/mfu": mfu(tokens_per_s / world, fpt, peak),
-                "perf/step_s": dt,
-                "perf/data_wait_frac": data_wait / dt,
-                "memory/peak_gb_max": max(memory) / 1e9,
-                "experts/max_over_mean": expert.get("max_over_mean"),
-                "experts/entropy_min": expert.get("entropy_min"),
-                "tokens": step * global_tokens,
-            }
-            if event["spike"] is not None:
-                metrics["train/grad_norm_spike"] = event["spike"]
-                print(
-                    f"[dsflow train] step {step}: grad norm {grad_norm:.4g} is "
-                    f"{event['spike']:.1f}x its running median",
-                    file=sys.stderr,
-                )
-            if event["bad"]:
-                print(
-                    f"[dsflow train] step {step}: loss is {loss_value}; update skipped "
-                    f"({health.streak} in a row, the run stops at {health.max_bad})",
-                    file=sys.stderr,
-                )
-            elif event["skipped"]:
-                print(
-                    f"[dsflow train] step {step}: gradient overflow, update skipped "
-                    f"({health.skipped} skipped so far)",
-                    file=sys.stderr,
-                )
-            if val_loss is not None and (step % train["eval_every"] == 0 or step == steps):
-                metrics["val/loss"] = val_loss
-            if step % train["log_every"] == 0 or step == steps or "val/loss" in metrics:
-                logger.log(step, metrics)
-            logger.progress(loss_value, tokens_per_s)
-            history.append(
-                {
-                    "step": step,
-                    "dt": dt,
-                    "memory": memory,
-                    "reserved": reserved,
-                    "expert": expert,
-                    **metrics,
-                }
-            )
-        if event["stop"]:
+        ready = [r for r in (pending, record if due else None) if r is not None]
+        pending = None if due else record
+        stop, fatal = False, None
+        for r in ready:
+            event, requested = finish(r)
+            stop, fatal = stop or requested, event["stop"]
+            if fatal:
+                break
+        if stop and pending is not None and not fatal:
+            # This step is checkpointed below: its own numbers (health) first.
+            event, _ = finish(pending)
+            pending, fatal = None, event["stop"]
+        if fatal:
+            # (A step read late is not logged: the run stops on an earlier one's numbers.)
             if rank == 0:
                 logger.close()
                 kept = (
@@ -879,7 +971,7 @@ def main() -> int:
                     else "there is no good checkpoint yet (a rerun starts from step 0)"
                 )
                 report_fatal(
-                    f"{event['stop']}; stopped: {kept} (lower train.optimizer.lr, or check the "
+                    f"{fatal}; stopped: {kept} (lower train.optimizer.lr, or check the "
                     "data, before rerunning)"
                 )
             profiler.mark(None)
@@ -887,11 +979,12 @@ def main() -> int:
             # Every rank stops here together: under the train stage, which reports the reason,
             # a clean exit (no launcher traceback); run by hand, a failure.
             return 0 if os.environ.get("DSFLOW_STATUS_FILE") else EXIT_FATAL
-        with clock.aside():
+        if profiler.writes_at(step):
+            with clock.aside():
+                profiler.step_ends(step)
+        else:
             profiler.step_ends(step)
         faults.after_step(step)
-        requested = Stop.requested or (ckpt.CHECKPOINTS / ckpt.STOP_FILE).exists()
-        stop = bool(all_sum([1.0 if requested else 0.0], device)[0])
         # No periodic checkpoint during a run of bad steps: the last good one stays the newest.
         periodic = step % train["checkpoint_every"] == 0 and health.streak == 0
         if periodic or step == steps or stop:
@@ -911,6 +1004,7 @@ def main() -> int:
             # Signalled directly: the conventional 128 + SIGTERM.
             return EXIT_STOPPED if Stop.requested else 0
 
+    assert pending is None, "the last step is always read at once"
     loader.close()
     if last_saved != steps and start < steps:
         save(steps)
