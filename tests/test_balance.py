@@ -194,6 +194,32 @@ def test_bias_update_direction():
     assert stats["bias_abs_max"] == pytest.approx(1.0 - gamma)
 
 
+def test_update_on_the_device_moves_the_biases_only_where_the_step_was_applied():
+    """update_async with `applied` a device flag (the fused optimizer's, decided without a
+    host read): true gives update()'s biases and stats, bit for bit; false leaves the biases
+    as they were; both reset the counts."""
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for applied in ("update", True, False):
+        model = _tiny(vocab=256).train()
+        bal = ExpertBalancer(model, gamma=0.05)
+        before = [r.e_score_correction_bias.clone() for _, r in bal.routers]
+        model(tokens)
+        if applied == "update":
+            stats = bal.update()
+        else:
+            stats = bal.stats_of(bal.update_async(applied=torch.tensor(applied)))
+        assert int(bal.counts().sum()) == 0
+        after = [r.e_score_correction_bias.clone() for _, r in bal.routers]
+        runs[applied] = (before, after, stats)
+    before, plain, stats = runs["update"]
+    assert any(not torch.equal(a, b) for a, b in zip(plain, before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], plain, strict=True))
+    assert runs[True][2] == stats
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][1], before, strict=True))
+    assert runs[False][2]["max_over_mean"] == stats["max_over_mean"]
+
+
 def test_gamma_zero_reports_stats_without_moving_bias():
     model = _tiny(vocab=256).train()
     bal = ExpertBalancer(model, gamma=0.0)

@@ -200,17 +200,18 @@ def test_cuda_fused_optimizer_trains_like_deepspeeds(prepared, tmp_path):
 @pytest.mark.cuda
 @requires_cuda
 def test_cuda_numbers_read_one_step_late_are_the_numbers_read_at_once(prepared, tmp_path):
-    """train.perf.async_metrics on a GPU (pinned copies, CUDA events): the same run read at
-    once and read one step late logs the same losses and gradient norms (the same kernels: at
+    """train.perf.async_metrics on a GPU (pinned copies, CUDA events), with the fused
+    optimizer (the one-GPU default): the same run read at once and read one step late logs the same losses and gradient norms (the same kernels: at
     most the run-to-run noise of atomics), a positive time for every step, and step times that
     add up to no more than the run's wall time."""
     runs = {}
     for late in (False, True):
         repo = tmp_path / f"late-{late}"
         perf = {"async_metrics": late}
-        trained_copy(
-            prepared, repo, {"train": {**ON_GPU["train"], "precision": "bf16", "perf": perf}}
-        )
+        # zero_stage auto: ZeRO-0 with the fused optimizer, whose `applied` stays on the device
+        train = {**ON_GPU["train"], "precision": "bf16", "zero_stage": "auto", "perf": perf}
+        proc = trained_copy(prepared, repo, {"train": train})
+        assert "optimizer fused AdamW" in proc.stderr
         runs[late] = repo
     for name in ("train/loss", "train/grad_norm"):
         a, b = losses(runs[False], name), losses(runs[True], name)

@@ -35,9 +35,10 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
     fast = kernels.Perf(
         True, "flash_padded", 8192, True, False, fused_grad_checks=True, experts="sorted",
-        experts_fallback=True,
+        experts_fallback=True, async_metrics=True,
     )  # fmt: skip
     assert kernels.resolve(auto, "cuda") == fast
+    assert not kernels.resolve({**auto, "async_metrics": False}, "cuda").async_metrics
     # Asked for by name, the sorted experts are not swapped for HF's where they do not apply.
     assert not kernels.resolve({**auto, "experts": "sorted"}, "cuda").experts_fallback
     # auto keeps HF's experts where the sorted ones are untested: fp16, ZeRO-3.

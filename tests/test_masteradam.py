@@ -161,6 +161,9 @@ def test_perf_optimizer_resolves_where_it_applies():
     assert optimizer_choice({}, 1, "bf16", False, cuda=True) == "deepspeed"
     assert optimizer_choice({}, 0, "fp32", False, cuda=True) == "deepspeed"
     assert optimizer_choice({}, 0, "bf16", True, cuda=True) == "deepspeed"
+    # A DeepSpeed config file of the user's is written for DeepSpeed's optimizer.
+    assert optimizer_choice({}, 0, "bf16", False, cuda=True, user_config=True) == "deepspeed"
+    assert optimizer_choice({"optimizer": "fused"}, 0, "bf16", False, True, 1, True) == "fused"
     assert optimizer_choice({"optimizer": "fused"}, 0, "bf16", False, cuda=False) == "fused"
     with pytest.raises(UsageError, match="train.perf.optimizer: fused needs"):
         optimizer_choice({"optimizer": "fused"}, 2, "bf16", False, cuda=True)
@@ -269,7 +272,13 @@ def test_a_ds_config_file_cannot_set_what_the_fused_optimizer_brings():
     }
     cfg = dsconfig.for_client_optimizer(dict(built), built, None)
     assert cfg == {"gradient_clipping": 0.0, "scheduler": {"type": "WarmupLR"}}
-    for key, value in (("optimizer", {"type": "Lamb"}), ("gradient_clipping", 0.5)):
+    changes = (
+        ("optimizer", {"type": "Lamb"}),
+        ("gradient_clipping", 0.5),
+        ("bf16", {"enabled": True, "immediate_grad_update": False}),
+        ("data_types", {"grad_accum_dtype": "fp32"}),  # failed inside DeepSpeed before
+    )
+    for key, value in changes:
         with pytest.raises(UsageError) as exc:
             dsconfig.for_client_optimizer({**built, key: value}, built, "my_ds.json")
         msg = str(exc.value)

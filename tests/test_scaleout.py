@@ -115,6 +115,9 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     ds = P.deep_merge(medium, {"train": {"perf": {"optimizer": "deepspeed"}}})
     zero1 = planner.auto_layout(ds, 1, "cuda", 80 * gb, host)
     assert zero1[:3] == (1, False, False) and "one GPU: ZeRO-1" in zero1[3]
+    # With a DeepSpeed config file of the user's, auto keeps DeepSpeed's optimizer.
+    user = P.deep_merge(medium, {"train": {"ds_config": "my_ds.json"}})
+    assert planner.auto_layout(user, 1, "cuda", 80 * gb, host)[:3] == (1, False, False)
     fused = P.deep_merge(medium, {"train": {"perf": {"optimizer": "fused"}}})
     fp32 = P.deep_merge(fused, {"train": {"precision": "fp32"}})
     assert planner.auto_layout(fp32, 1, "cuda", 80 * gb, host)[:3] == (1, False, False)

@@ -194,6 +194,8 @@ def test_numbers_read_one_step_late_log_the_same_run(prepared, baseline, tmp_pat
     for name in names:
         late, now = losses(repo, name), losses(baseline, name)
         assert late == now and late, name
+    rows = (repo / "dvclive/plots/metrics/train/loss.tsv").read_text().splitlines()[1:]
+    assert len(rows) == 12  # each step logged once
     assert sorted(losses(repo, "perf/step_s")) == list(range(1, 13))
     tags = sorted(p.name for p in (repo / "checkpoints").glob("step*"))
     assert tags == sorted(p.name for p in (baseline / "checkpoints").glob("step*"))

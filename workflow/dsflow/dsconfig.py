@@ -143,13 +143,15 @@ def for_client_optimizer(cfg: dict, built: dict, source: str | None = None) -> d
     DeepSpeed gets no optimizer section, no bf16 wrapper and no clipping of its own (it would
     clip the bf16 gradients in bf16). The scheduler section stays: it drives the client
     optimizer's learning rate. `built` is the config before the user's file (`source`) was
-    merged: an optimizer or clipping set there would be dropped, so it is an error."""
-    for key in ("optimizer", "gradient_clipping"):
+    merged: an optimizer, clipping, bf16 or data_types setting made there would be dropped or
+    fail inside DeepSpeed (a gradient accumulation dtype needs its bf16 wrapper), so it is an
+    error."""
+    for key in ("optimizer", "gradient_clipping", "bf16", "data_types"):
         if cfg.get(key) != built.get(key):
             raise UsageError(
                 f"{source or 'train.ds_config'}: {key} is set there, but train.perf.optimizer: "
-                "fused brings its own optimizer (train.optimizer, train.grad_clip); set those "
-                "in params.yaml, or use train.perf.optimizer: deepspeed"
+                "fused brings its own bf16 optimizer (train.optimizer, train.grad_clip); set "
+                "those in params.yaml, or use train.perf.optimizer: deepspeed"
             )
     cfg = {k: v for k, v in cfg.items() if k not in ("optimizer", "bf16")}
     cfg["gradient_clipping"] = 0.0

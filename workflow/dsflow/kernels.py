@@ -107,6 +107,7 @@ def resolve(
     precision: str = "bf16",
     optimizer_offload: bool = False,
     world: int = 1,
+    user_config: bool = False,
 ) -> Perf:
     """`train.perf` with every `auto` decided for this device (see the module docstring)."""
     cuda = device_type == "cuda"
@@ -154,23 +155,32 @@ def resolve(
         experts=experts,
         experts_fallback=experts_auto and experts == "sorted",
         compile_router_hooks=bool(perf.get("compile_router_hooks", True)),
-        optimizer=optimizer_choice(perf, zero_stage, precision, optimizer_offload, cuda, world),
+        optimizer=optimizer_choice(
+            perf, zero_stage, precision, optimizer_offload, cuda, world, user_config
+        ),
         async_metrics=bool(pick("async_metrics", True, False)),
     )
 
 
 def optimizer_choice(
-    perf: dict, zero_stage: int, precision: str, optimizer_offload: bool, cuda: bool, world: int = 1
+    perf: dict,
+    zero_stage: int,
+    precision: str,
+    optimizer_offload: bool,
+    cuda: bool,
+    world: int = 1,
+    user_config: bool = False,
 ) -> str:
     """`train.perf.optimizer`: dsflow's fused AdamW where it applies (ZeRO-0, bf16, the optimizer
     on the device); `auto` takes it on one GPU (on one H200: 109.2 against 130.5 ms for
     DeepSpeed's ZeRO-1 in one call, docs/performance.md; on several GPUs ZeRO-0 would hold a
-    full optimizer state on each, and it is unmeasured there) and DeepSpeed's elsewhere, and
-    on CPU, where the fused one is torch's AdamW, the same as DeepSpeed's."""
+    full optimizer state on each, and it is unmeasured there) and DeepSpeed's elsewhere: on
+    CPU, where the fused one is torch's AdamW, the same as DeepSpeed's, and with a DeepSpeed
+    config file of the user's merged (`user_config`: its settings are for DeepSpeed's)."""
     value = perf.get("optimizer", "auto")
     fits = zero_stage == 0 and precision == "bf16" and not optimizer_offload
     if value == "auto":
-        return "fused" if cuda and world == 1 and fits else "deepspeed"
+        return "fused" if cuda and world == 1 and fits and not user_config else "deepspeed"
     if value == "fused" and not fits:
         raise UsageError(
             "train.perf.optimizer: fused needs train.zero_stage 0 (or auto, where ZeRO-0 fits) "

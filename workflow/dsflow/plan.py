@@ -1317,10 +1317,12 @@ def run(params: dict, args: Any = None) -> None:
 def fused_optimizer_wanted(train: dict, world: int) -> bool:
     """train.perf.optimizer asks for dsflow's fused optimizer (dsflow.masteradam) where it can
     run: `fused` on any number of GPUs, `auto` on one GPU (where it was measured faster than
-    DeepSpeed's, docs/performance.md); bf16, the optimizer on the GPU. It runs at ZeRO-0."""
+    DeepSpeed's, docs/performance.md) unless a DeepSpeed config file of the user's is merged
+    (train.ds_config: its settings are for DeepSpeed's optimizer); bf16, the optimizer on the
+    GPU. It runs at ZeRO-0."""
     value = (train.get("perf") or {}).get("optimizer", "auto")
     offload = (train.get("offload") or {}).get("optimizer", "none") != "none"
-    wanted = value == "fused" or (value == "auto" and world == 1)
+    wanted = value == "fused" or (value == "auto" and world == 1 and not train.get("ds_config"))
     return wanted and train.get("precision") == "bf16" and not offload
 
 

@@ -122,6 +122,7 @@ def plan_run(params: dict) -> dict:
         optimizer_offload=dsconfig.offload_device(ds_config["zero_optimization"], "optimizer")
         != "none",
         world=world,
+        user_config=bool(train["ds_config"]),
     )
     if perf.optimizer == "fused":
         ds_config = dsconfig.for_client_optimizer(ds_config, built, train["ds_config"])

@@ -826,9 +826,12 @@ def main() -> int:
         }
         if world > 1:
             # All ranks take the stop decision together, from the same all-reduced flag.
-            flag = torch.tensor([1.0 if requested else 0.0], dtype=torch.float64, device=device)
+            # (No copy from pageable host memory: on CUDA that would wait for the step.)
+            flag = torch.full((1,), 1.0 if requested else 0.0, dtype=torch.float64, device=device)
             dist.all_reduce(flag)
-            mine = torch.tensor(peaks, dtype=torch.int64, device=device)
+            mine = torch.tensor(peaks, dtype=torch.int64, pin_memory=cuda).to(
+                device, non_blocking=cuda
+            )
             gathered = torch.zeros(world * 2, dtype=torch.int64, device=device)
             dist.all_gather_into_tensor(gathered, mine)
             values.update(stop=flag[0], peaks=gathered.view(world, 2))
