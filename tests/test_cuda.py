@@ -172,23 +172,33 @@ def test_fused_optimizer_kernel_takes_fusedadams_step():
         assert (p.float() - q.detach()).abs().max() <= q.detach().abs().max() * 2**-7
 
 
+# One GPU, bf16, zero_stage auto and every train.perf default: the fused optimizer at ZeRO-0
+# and each step's numbers read one step late.
+ONE_GPU = {"train": {**ON_GPU["train"], "precision": "bf16", "zero_stage": "auto"}}
+
+
+@pytest.fixture(scope="module")
+def gpu_defaults(prepared, tmp_path_factory):
+    """A run with one GPU's defaults, shared by the tests below (each run compiles for about
+    a minute and a half on the H200)."""
+    repo = tmp_path_factory.mktemp("gpu-defaults") / "repo"
+    proc = trained_copy(prepared, repo, ONE_GPU)
+    return repo, proc
+
+
 @pytest.mark.slow
 @pytest.mark.cuda
 @requires_cuda
-def test_cuda_fused_optimizer_trains_like_deepspeeds(prepared, tmp_path):
-    """One GPU, bf16, the fast paths' defaults with the fused optimizer (zero_stage auto then
-    picks ZeRO-0) against DeepSpeed's ZeRO-1 optimizer: the same curve within bf16 rounding,
-    no step skipped."""
-    auto = {"train": {**ON_GPU["train"], "precision": "bf16", "zero_stage": "auto"}}
-    fused = tmp_path / "fused"
-    proc = trained_copy(
-        prepared, fused, {"train": {**auto["train"], "perf": {"optimizer": "fused"}}}
-    )
+def test_cuda_fused_optimizer_trains_like_deepspeeds(prepared, gpu_defaults, tmp_path):
+    """One GPU's defaults (optimizer auto = the fused one, at ZeRO-0) against DeepSpeed's
+    ZeRO-1 optimizer: the same curve within bf16 rounding, no step skipped."""
+    fused, proc = gpu_defaults
     assert "optimizer fused AdamW" in proc.stderr
     config = json.loads((fused / "checkpoints/ds_config.json").read_text())
     assert config["zero_optimization"]["stage"] == 0 and "bf16" not in config
     ds = tmp_path / "deepspeed"
-    trained_copy(prepared, ds, {"train": {**auto["train"], "perf": {"optimizer": "deepspeed"}}})
+    train = {**ONE_GPU["train"], "perf": {"optimizer": "deepspeed"}}
+    trained_copy(prepared, ds, {"train": train})
     a, b = losses(ds), losses(fused)
     assert json.loads((fused / "metrics/train.json").read_text())["skipped_steps"] == 0
     rel = {step: abs(b[step] - a[step]) / abs(a[step]) for step in a}
@@ -199,26 +209,24 @@ def test_cuda_fused_optimizer_trains_like_deepspeeds(prepared, tmp_path):
 @pytest.mark.slow
 @pytest.mark.cuda
 @requires_cuda
-def test_cuda_numbers_read_one_step_late_are_the_numbers_read_at_once(prepared, tmp_path):
+def test_cuda_numbers_read_one_step_late_are_the_numbers_read_at_once(
+    prepared, gpu_defaults, tmp_path
+):
     """train.perf.async_metrics on a GPU (pinned copies, CUDA events), with the fused
-    optimizer (the one-GPU default): the same run read at once and read one step late logs the same losses and gradient norms (the same kernels: at
-    most the run-to-run noise of atomics), a positive time for every step, and step times that
-    add up to no more than the run's wall time."""
-    runs = {}
-    for late in (False, True):
-        repo = tmp_path / f"late-{late}"
-        perf = {"async_metrics": late}
-        # zero_stage auto: ZeRO-0 with the fused optimizer, whose `applied` stays on the device
-        train = {**ON_GPU["train"], "precision": "bf16", "zero_stage": "auto", "perf": perf}
-        proc = trained_copy(prepared, repo, {"train": train})
-        assert "optimizer fused AdamW" in proc.stderr
-        runs[late] = repo
+    optimizer, whose `applied` stays on the device: one GPU's defaults (read late) and the
+    same run read at once log the same losses and gradient norms (the same kernels: at most
+    the run-to-run noise of atomics), a positive time for every step, and step times that add
+    up to no more than the run's wall time."""
+    late, proc = gpu_defaults
+    assert "step metrics read one step late" in proc.stderr
+    now = tmp_path / "now"
+    trained_copy(prepared, now, {"train": {**ONE_GPU["train"], "perf": {"async_metrics": False}}})
     for name in ("train/loss", "train/grad_norm"):
-        a, b = losses(runs[False], name), losses(runs[True], name)
+        a, b = losses(now, name), losses(late, name)
         assert a.keys() == b.keys()
         for step in a:
             assert b[step] == pytest.approx(a[step], rel=1e-2), (name, step)
-    step_s = losses(runs[True], "perf/step_s")
-    assert sorted(step_s) == sorted(losses(runs[True])) and min(step_s.values()) > 0
-    metrics = json.loads((runs[True] / "metrics/train.json").read_text())
+    step_s = losses(late, "perf/step_s")
+    assert sorted(step_s) == sorted(losses(late)) and min(step_s.values()) > 0
+    metrics = json.loads((late / "metrics/train.json").read_text())
     assert sum(step_s.values()) <= metrics["wall_s"]
