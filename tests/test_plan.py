@@ -486,3 +486,17 @@ def test_check_fits_counts_activation_checkpointing_from_params(monkeypatch, tmp
         plan.check_fits(params, 1, "cuda", card)
     params["train"]["perf"]["activation_checkpointing"] = True
     assert plan.check_fits(params, 1, "cuda", card) is None
+
+
+def test_the_plan_says_when_it_counts_dsflows_fused_optimizer():
+    """One GPU in bf16 (the H200 profile): zero_stage auto plans ZeRO-0 with the fused
+    optimizer, and the report's run line says so; three GPUs (the 3 x 4090 profile) keep
+    DeepSpeed's optimizer, and the line does not."""
+    one = plan.report(_params("profiles/h200.yaml"))
+    assert one["request"]["zero_stage"] == 0 and one["request"]["fused_optimizer"]
+    assert "ZeRO-0, bf16, seq 1024 x micro 16 x accum 1, dsflow's fused optimizer" in (
+        plan.format_report(one)
+    )
+    three = plan.report(_params("profiles/rtx4090x3.yaml"))
+    assert not three["request"]["fused_optimizer"]
+    assert "fused optimizer" not in plan.format_report(three)

@@ -435,6 +435,7 @@ def estimate(
             "bucket_sizes": [reduce_bucket, allgather_bucket],
             "overlap_comm": bool(overlap_comm),
             "seq_aux": bool(seq_aux),
+            "fused_optimizer": bool(fused),
             "vocab_size": int(config.vocab_size),
         },
         "params": {
@@ -1246,6 +1247,7 @@ def format_report(rep: dict) -> str:
         f"activated, {summ['flops_per_token'] / 1e9:.2f} GFLOP/token",
         f"run: {req['world']} GPU(s), ZeRO-{req['zero_stage']}, {req['precision']}, "
         f"seq {req['seq_len']} x micro {req['micro_batch']} x accum {req['grad_accum']}"
+        + (", dsflow's fused optimizer" if req.get("fused_optimizer") else "")
         + (", optimizer offload" if req["offload_optimizer"] else "")
         + (", param offload" if req["offload_params"] else "")
         + (", activation checkpointing" if req["activation_checkpointing"] else ""),
