@@ -99,11 +99,8 @@ def unpacked_windows():
     host sync per forward, after which the GPU idles until the host has launched enough of
     the forward's kernels again. dsflow's windows are never packed (HF makes the position ids,
     0..seq-1 in every row, for which the check answers None): answer None without looking."""
-    try:
-        from transformers import masking_utils
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        yield
-        return
+    from transformers import masking_utils
+
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
     if original is None:  # another transformers: leave it as it is
         yield

@@ -130,6 +130,7 @@ class MasterAdamW(torch.optim.Optimizer):
         total = torch.linalg.vector_norm(torch.stack(norms))
         self._global_grad_norm = total
         finite = torch.isfinite(total)
+        self.applied = finite
         # DeepSpeed's unscale_and_clip_grads (loss scale 1 in bf16), in fp32 on the device.
         combined = torch.ones((), dtype=torch.float32, device=total.device)
         if self.max_grad_norm > 0:
@@ -142,7 +143,6 @@ class MasterAdamW(torch.optim.Optimizer):
             # wait for the answer without stalling the host; the one effect: its learning-rate
             # schedule advances on a skipped step too); `applied` says what happened.
             self.overflow = False
-            self.applied = finite
             scale = torch.where(finite, scale, torch.zeros_like(scale))
             for gi, group in enumerate(self.param_groups):
                 flat = self._state()[gi]
@@ -150,7 +150,6 @@ class MasterAdamW(torch.optim.Optimizer):
                 self._step_triton(gi, group, grads[gi], scale, finite)
             return None
         self.overflow = not bool(finite)
-        self.applied = finite
         if self.overflow:
             return None
         for gi, group in enumerate(self.param_groups):

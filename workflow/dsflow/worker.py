@@ -791,8 +791,9 @@ def main() -> int:
     late = perf.async_metrics
     cuda = device_type == "cuda"
     clock = StepClock(events=late and cuda)
-    # The fused optimizer decides on the device whether it took a step (no host sync).
-    applied_on_device = isinstance(optimizer, MasterAdamW) and optimizer.kernel != "torch" and cuda
+    # The fused optimizer's kernel path decides on the device whether it took a step (no host
+    # sync); the engine is not told.
+    applied_on_device = isinstance(optimizer, MasterAdamW) and optimizer._triton(device)
 
     def capture(step_done: int, loss_sum: torch.Tensor, data_wait: float, t0: float) -> Readback:
         """Step `step_done`'s numbers, queued for reading back (all ranks, same collectives)."""
