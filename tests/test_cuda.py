@@ -74,6 +74,13 @@ def test_cuda_fast_paths_train_the_same_curve(prepared, tmp_path):
     plain = gpu_run(prepared, tmp_path / "plain", "fp32", PLAIN)
     fast = gpu_run(prepared, tmp_path / "fast", "fp32", FAST)
     assert plain.keys() == fast.keys()
+    # Step 1 has the same weights and batch in both: its gradient norm differs by rounding
+    # only. (On one H200, ninth session, it was 1.8% off with the loss 8e-8 off: Adam's
+    # per-element normalization hid that from the losses until step 4. Not yet explained:
+    # test_cuda_each_fast_path_gives_the_plain_paths_gradients and the fp32 CUDA case of
+    # test_fused_checks_match_deepspeed narrow it down.)
+    norms = [losses(tmp_path / run, "train/grad_norm")[1] for run in ("plain", "fast")]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4), norms
     # Every step's difference in the message: growing step by step is rounding that the MoE
     # routing amplifies, a jump at one step is a bug (on one H200, sixth session, step 11 of 12
     # was 1.2e-3 off with everything before it inside).
@@ -81,6 +88,80 @@ def test_cuda_fast_paths_train_the_same_curve(prepared, tmp_path):
     assert max(rel.values()) <= 1e-3, rel
     # Each step's loss is its own: a stale graph output would repeat the previous one.
     assert len(set(fast.values())) == len(fast)
+
+
+# Each fast path alone, then all of them, against the eager model with HF's grouped_mm experts
+# (the plain path on a GPU): kernels.Perf(compile, attention, ce_chunk, prefetch, ...).
+ONE_PATH = {
+    "flash_padded": dict(compile=False, attention="flash_padded", ce_chunk=0),
+    "ce_chunk": dict(compile=False, attention="sdpa", ce_chunk=37),
+    "sorted": dict(compile=False, attention="sdpa", ce_chunk=0, experts="sorted"),
+    "compile": dict(compile=True, attention="sdpa", ce_chunk=0, compile_router_hooks=False),
+    "compile-hooks": dict(compile=True, attention="sdpa", ce_chunk=0),
+    "all": dict(compile=True, attention="flash_padded", ce_chunk=37, experts="sorted"),
+}
+
+
+def fast_path_gradients(device: str, path: dict | None):
+    """One fp32 forward and backward of the tiny preset (a batch like the train tests': 4 x
+    64 tokens), the sequence-wise aux loss included: (loss, aux, {name: gradient}). `path`:
+    kernels.Perf's fields, None for the plain path."""
+    import torch
+    import torch._dynamo
+
+    from dsflow import kernels
+    from dsflow.balance import ExpertBalancer
+    from dsflow.lm import TrainingLM
+    from dsflow.model import build_model, model_config
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(model_config("tiny", 384), device_type=device).to(device).train()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 384, (4, 65), generator=g).to(device)
+    balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
+    perf = kernels.Perf(**{"compile": False, "attention": "sdpa", "ce_chunk": 0, "prefetch": False})
+    if path is not None:
+        perf = kernels.Perf(prefetch=False, **path)
+    perf = kernels.apply(model, perf, balancer, torch.device(device))
+    assert path is None or perf.experts == path.get("experts", "hf")
+    trainee = TrainingLM(model, ce_chunk=perf.ce_chunk)
+    for _ in range(2):  # the second call runs the compiled graphs from their cache
+        model.zero_grad(set_to_none=True)
+        loss = trainee(tokens[:, :-1], tokens[:, 1:])
+        aux = balancer.aux_loss()
+        (loss + aux).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), aux.item(), grads
+
+
+def gradient_gaps(a: dict, b: dict) -> dict[str, float]:
+    """Each parameter's |b - a| / |a| (L2 over the tensor), and the whole gradient's."""
+    import torch
+
+    assert a.keys() == b.keys()
+    gaps = {n: ((b[n] - a[n]).norm() / a[n].norm().clamp_min(1e-30)).item() for n in a}
+    total = torch.stack([g.norm() for g in a.values()]).norm()
+    gaps["(all)"] = (torch.stack([(b[n] - a[n]).norm() for n in a]).norm() / total).item()
+    return gaps
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("path", ONE_PATH)
+def test_cuda_each_fast_path_gives_the_plain_paths_gradients(path):
+    """fp32 on the GPU, one forward and backward: each fast path's loss and aux loss are the
+    plain path's, and so is every parameter's gradient, to fp32 rounding (1e-4 of the
+    tensor's norm). The losses of a training run cannot show this: Adam's first steps
+    normalize each gradient element, so a wrong gradient scale hides for a few steps (a train
+    run on one H200, ninth session: step 1's gradient norm 1.8% off with its loss 8e-8 off)."""
+    loss0, aux0, plain = fast_path_gradients("cuda", None)
+    loss, aux, fast = fast_path_gradients("cuda", ONE_PATH[path])
+    assert loss == pytest.approx(loss0, rel=1e-5)
+    assert aux == pytest.approx(aux0, rel=1e-5)
+    gaps = gradient_gaps(plain, fast)
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:8]
+    assert max(gaps.values()) <= 1e-4, worst
 
 
 @pytest.mark.slow

@@ -104,8 +104,16 @@ RANK_SCRIPT = textwrap.dedent(
         # the same checks on one GPU, where there is one.
         pytest.param(2, "bf16", "cuda", marks=needs_cuda),
         pytest.param(1, "bf16", "cuda", marks=needs_cuda),
+        pytest.param(2, "fp32", "cuda", marks=needs_cuda),
     ],
-    ids=["zero2-bf16", "zero1-bf16", "zero2-fp32", "cuda-zero2-bf16", "cuda-zero1-bf16"],
+    ids=[
+        "zero2-bf16",
+        "zero1-bf16",
+        "zero2-fp32",
+        "cuda-zero2-bf16",
+        "cuda-zero1-bf16",
+        "cuda-zero2-fp32",
+    ],
 )
 def test_fused_checks_match_deepspeed(stage, precision, device, tmp_path):
     script = tmp_path / "rank.py"
