@@ -174,6 +174,9 @@ ALONE = {
     "experts": {"experts": "sorted"},
     "compile": {"compile": True, "compile_router_hooks": False},
     "compile_router_hooks": {"compile": True, "compile_router_hooks": True},
+    # Every path but the CUDA graphs, at ZeRO-1: one rank without DeepSpeed's gradient hooks
+    # and overlap_comm's side stream (zero_stage is not a perf key: step_one takes it out).
+    "all-zero1": {**FAST, "compile_mode": "default", "zero_stage": 1},
 }
 
 
@@ -184,7 +187,10 @@ def step_one(prepared, repo, perf: dict) -> dict[str, dict[int, float]]:
     """Steps 1 and 2 of a 2-step fp32 run on one GPU: {metric: {step: value}}. The learning
     rate of step 1 is 0 (warm-up), so step 2 runs step 1's weights too, with the router
     biases that the balancer moved after step 1."""
-    train = {**ON_GPU["train"], "precision": "fp32", "max_steps": 2, "perf": perf}
+    perf = dict(perf)
+    stage = perf.pop("zero_stage", ON_GPU["train"]["zero_stage"])
+    train = {**ON_GPU["train"], "precision": "fp32", "max_steps": 2, "zero_stage": stage}
+    train["perf"] = perf
     trained_copy(prepared, repo, {"train": train})
     metrics = {name: losses(repo, name) for name in STEP_ONE_METRICS}
     assert losses(repo, "train/lr")[1] == 0.0
