@@ -169,6 +169,43 @@ def test_perf_optimizer_resolves_where_it_applies():
         optimizer_choice({"optimizer": "fused"}, 2, "bf16", False, cuda=True)
 
 
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("ds_config", [None, "ds.json"])
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("value", ["auto", "fused", "deepspeed"])
+def test_planner_and_train_stage_agree_on_the_optimizer(
+    value, precision, offload, ds_config, world
+):
+    """Two places decide: the planner (`plan.fused_optimizer_wanted`, before a ZeRO stage is
+    chosen, so `zero_stage: auto` can pick ZeRO-0) and the train stage (`optimizer_choice`,
+    given the stage). On GPUs, wherever the planner wants the fused optimizer at the stage it
+    picks, the train stage takes it, and nowhere else with `auto`."""
+    from dsflow.errors import UsageError
+    from dsflow.kernels import optimizer_choice
+    from dsflow.plan import auto_first_stage, fused_optimizer_wanted
+
+    train = {
+        "precision": precision,
+        "ds_config": ds_config,
+        "offload": {"optimizer": offload, "param": "none"},
+        "perf": {"optimizer": value},
+    }
+    wanted = fused_optimizer_wanted(train, world)
+    stage = auto_first_stage(train, world)
+    assert (stage == 0) == wanted
+    offloaded = offload != "none"
+    try:
+        chosen = optimizer_choice(
+            train["perf"], stage, precision, offloaded, True, world, bool(ds_config)
+        )
+    except UsageError:
+        # `fused` by name where it cannot run: the planner did not plan ZeRO-0 for it.
+        assert value == "fused" and not wanted
+        return
+    assert (chosen == "fused") == wanted, (chosen, stage)
+
+
 def run(prepared, dest, gpus, env=None, check=True, **train):
     import shutil
 
