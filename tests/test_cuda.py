@@ -77,7 +77,7 @@ def test_cuda_fast_paths_train_the_same_curve(prepared, tmp_path):
     # Step 1 has the same weights and batch in both: its gradient norm differs by rounding
     # only. (On one H200, ninth session, it was 1.8% off with the loss 8e-8 off: Adam's
     # per-element normalization hid that from the losses until step 4. Not yet explained:
-    # test_cuda_each_fast_path_gives_the_plain_paths_gradients and the fp32 CUDA case of
+    # the test_cuda_each_fast_path_* tests and the fp32 CUDA case of
     # test_fused_checks_match_deepspeed narrow it down.)
     norms = [losses(tmp_path / run, "train/grad_norm")[1] for run in ("plain", "fast")]
     assert norms[1] == pytest.approx(norms[0], rel=1e-4), norms
@@ -120,7 +120,7 @@ def fast_path_gradients(device: str, path: dict | None):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 384, (4, 65), generator=g).to(device)
     balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
-    perf = kernels.Perf(**{"compile": False, "attention": "sdpa", "ce_chunk": 0, "prefetch": False})
+    perf = kernels.Perf(compile=False, attention="sdpa", ce_chunk=0, prefetch=False)
     if path is not None:
         perf = kernels.Perf(prefetch=False, **path)
     perf = kernels.apply(model, perf, balancer, torch.device(device))
