@@ -90,22 +90,26 @@ def test_cuda_fast_paths_train_the_same_curve(prepared, tmp_path):
     assert len(set(fast.values())) == len(fast)
 
 
-# Each fast path alone, then all of them, against the eager model with HF's grouped_mm experts
-# (the plain path on a GPU): kernels.Perf(compile, attention, ce_chunk, prefetch, ...).
-ONE_PATH = {
-    "flash_padded": dict(compile=False, attention="flash_padded", ce_chunk=0),
-    "ce_chunk": dict(compile=False, attention="sdpa", ce_chunk=37),
-    "sorted": dict(compile=False, attention="sdpa", ce_chunk=0, experts="sorted"),
-    "compile": dict(compile=True, attention="sdpa", ce_chunk=0, compile_router_hooks=False),
-    "compile-hooks": dict(compile=True, attention="sdpa", ce_chunk=0),
-    "all": dict(compile=True, attention="flash_padded", ce_chunk=37, experts="sorted"),
+# One fast path at a time on top of PLAIN (kernels.Perf's fields, as train.perf names them).
+ALONE = {
+    "attention": {"attention": "flash_padded"},
+    "ce_chunk": {"ce_chunk": 37},
+    "prefetch": {"prefetch": True},
+    "fused_grad_checks": {"fused_grad_checks": True},
+    "experts": {"experts": "sorted"},
+    "compile": {"compile": True, "compile_router_hooks": False},
+    "compile_router_hooks": {"compile": True, "compile_router_hooks": True},
 }
+ALL_BUT_GRAPHS = {**FAST, "compile_mode": "default"}
+# The paths that act on the model itself (kernels.apply), for one forward and backward.
+ON_MODEL = ("attention", "ce_chunk", "experts", "compile", "compile_router_hooks")
+MODEL_PATHS = {name: ALONE[name] for name in ON_MODEL} | {"all": ALL_BUT_GRAPHS}
 
 
-def fast_path_gradients(device: str, path: dict | None):
+def fast_path_gradients(device: str, path: dict):
     """One fp32 forward and backward of the tiny preset (a batch like the train tests': 4 x
     64 tokens), the sequence-wise aux loss included: (loss, aux, {name: gradient}). `path`:
-    kernels.Perf's fields, None for the plain path."""
+    kernels.Perf's fields over PLAIN's ({} for the plain path)."""
     import torch
     import torch._dynamo
 
@@ -120,11 +124,9 @@ def fast_path_gradients(device: str, path: dict | None):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 384, (4, 65), generator=g).to(device)
     balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
-    perf = kernels.Perf(compile=False, attention="sdpa", ce_chunk=0, prefetch=False)
-    if path is not None:
-        perf = kernels.Perf(prefetch=False, **path)
-    perf = kernels.apply(model, perf, balancer, torch.device(device))
-    assert path is None or perf.experts == path.get("experts", "hf")
+    wanted = kernels.Perf(**{**PLAIN, **path})
+    perf = kernels.apply(model, wanted, balancer, torch.device(device))
+    assert perf.experts == wanted.experts
     trainee = TrainingLM(model, ce_chunk=perf.ce_chunk)
     for _ in range(2):  # the second call runs the compiled graphs from their cache
         model.zero_grad(set_to_none=True)
@@ -146,17 +148,22 @@ def gradient_gaps(a: dict, b: dict) -> dict[str, float]:
     return gaps
 
 
+@pytest.fixture(scope="module")
+def plain_gradients():
+    return fast_path_gradients("cuda", {})
+
+
 @pytest.mark.cuda
 @requires_cuda
-@pytest.mark.parametrize("path", ONE_PATH)
-def test_cuda_each_fast_path_gives_the_plain_paths_gradients(path):
+@pytest.mark.parametrize("path", MODEL_PATHS)
+def test_cuda_each_fast_path_gives_the_plain_paths_gradients(plain_gradients, path):
     """fp32 on the GPU, one forward and backward: each fast path's loss and aux loss are the
     plain path's, and so is every parameter's gradient, to fp32 rounding (1e-4 of the
     tensor's norm). The losses of a training run cannot show this: Adam's first steps
     normalize each gradient element, so a wrong gradient scale hides for a few steps (a train
     run on one H200, ninth session: step 1's gradient norm 1.8% off with its loss 8e-8 off)."""
-    loss0, aux0, plain = fast_path_gradients("cuda", None)
-    loss, aux, fast = fast_path_gradients("cuda", ONE_PATH[path])
+    loss0, aux0, plain = plain_gradients
+    loss, aux, fast = fast_path_gradients("cuda", MODEL_PATHS[path])
     assert loss == pytest.approx(loss0, rel=1e-5)
     assert aux == pytest.approx(aux0, rel=1e-5)
     gaps = gradient_gaps(plain, fast)
@@ -164,22 +171,10 @@ def test_cuda_each_fast_path_gives_the_plain_paths_gradients(path):
     assert max(gaps.values()) <= 1e-4, worst
 
 
-# One fast path at a time on top of PLAIN, in the train stage (DeepSpeed ZeRO-2 with its
-# CUDA streams, pinned prefetch, the fused checks): what each changes in step 1.
-ALONE = {
-    "attention": {"attention": "flash_padded"},
-    "ce_chunk": {"ce_chunk": 37},
-    "prefetch": {"prefetch": True},
-    "fused_grad_checks": {"fused_grad_checks": True},
-    "experts": {"experts": "sorted"},
-    "compile": {"compile": True, "compile_router_hooks": False},
-    "compile_router_hooks": {"compile": True, "compile_router_hooks": True},
-    # Every path but the CUDA graphs, at ZeRO-1: one rank without DeepSpeed's gradient hooks
-    # and overlap_comm's side stream (zero_stage is not a perf key: step_one takes it out).
-    "all-zero1": {**FAST, "compile_mode": "default", "zero_stage": 1},
-}
-
-
+# In the train stage (DeepSpeed ZeRO-2 with its CUDA streams, pinned prefetch, the fused
+# checks): each path alone, and every path at ZeRO-1, one rank without DeepSpeed's gradient
+# hooks and overlap_comm's side stream (zero_stage is not a perf key: step_one takes it out).
+TRAIN_PATHS = {**ALONE, "all-zero1": {**ALL_BUT_GRAPHS, "zero_stage": 1}}
 STEP_ONE_METRICS = ("train/loss", "train/grad_norm", "experts/max_over_mean", "experts/entropy_min")
 
 
@@ -205,7 +200,7 @@ def plain_step_one(prepared, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.cuda
 @requires_cuda
-@pytest.mark.parametrize("path", ALONE)
+@pytest.mark.parametrize("path", TRAIN_PATHS)
 def test_cuda_each_fast_path_keeps_step_ones_gradient_norm(
     prepared, plain_step_one, tmp_path, path
 ):
@@ -215,7 +210,7 @@ def test_cuda_each_fast_path_keeps_step_ones_gradient_norm(
     1.8%, with the loss 8e-8 off; this says which path does it. Step 2 also sees the router
     biases after the balancer's first update, so a path that counts experts differently
     shows there."""
-    fast = step_one(prepared, tmp_path / "repo", {**PLAIN, **ALONE[path]})
+    fast = step_one(prepared, tmp_path / "repo", {**PLAIN, **TRAIN_PATHS[path]})
     got = {(name, step): fast[name][step] for name in STEP_ONE_METRICS for step in (1, 2)}
     want = {
         (name, step): plain_step_one[name][step] for name in STEP_ONE_METRICS for step in (1, 2)
