@@ -76,9 +76,9 @@ def test_cuda_fast_paths_train_the_same_curve(prepared, tmp_path):
     assert plain.keys() == fast.keys()
     # Step 1 has the same weights and batch in both: its gradient norm differs by rounding
     # only. (On one H200, ninth session, it was 1.8% off with the loss 8e-8 off: Adam's
-    # per-element normalization hid that from the losses until step 4. Not yet explained:
-    # the test_cuda_each_fast_path_* tests and the fp32 CUDA case of
-    # test_fused_checks_match_deepspeed narrow it down.)
+    # per-element normalization hid that from the losses until step 4. The tenth found it:
+    # the sorted experts traced by dynamo in fp32 got zero gradients, see
+    # kernels.sorted_experts_forward.)
     norms = [losses(tmp_path / run, "train/grad_norm")[1] for run in ("plain", "fast")]
     assert norms[1] == pytest.approx(norms[0], rel=1e-4), norms
     # Every step's difference in the message: growing step by step is rounding that the MoE
@@ -207,7 +207,8 @@ def test_cuda_each_fast_path_keeps_step_ones_gradient_norm(
     """Steps 1 and 2 run the same weights and batches whatever the path (step 1's learning
     rate is 0): the same losses, gradient norms and expert loads to fp32 rounding, one path
     at a time. On one H200 in the ninth session all paths together moved step 1's norm by
-    1.8%, with the loss 8e-8 off; this says which path does it. Step 2 also sees the router
+    1.8%, with the loss 8e-8 off; in the tenth each path alone passed and all-zero1 failed
+    the same way (compiled sorted experts in fp32: no gradients). Step 2 also sees the router
     biases after the balancer's first update, so a path that counts experts differently
     shows there."""
     fast = step_one(prepared, tmp_path / "repo", {**PLAIN, **TRAIN_PATHS[path]})

@@ -187,14 +187,17 @@ def test_training_module_is_the_hf_model_with_a_loss_forward():
 
 
 @pytest.mark.slow
-def test_compiled_layers_train_like_eager_layers():
-    """torch.compile of every decoder layer, the balancer's router hook traced into it (one
-    graph per layer, no graph break) and the sorted experts: same loss, gradients, expert
-    counts and sequence-wise aux loss as eager with HF's experts."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compiled_layers_train_like_eager_layers(dtype):
+    """torch.compile of every decoder layer, the balancer's router hook traced into it and the
+    sorted experts: same loss, gradients, expert counts and sequence-wise aux loss as eager
+    with HF's experts. In bf16 (the GPU's default) one graph per layer, no graph break; in
+    other dtypes the sorted experts run eagerly between the graphs, and only they (dynamo in
+    torch 2.11 on an H200 zeroed their fp32 gradients; see kernels.sorted_experts_forward)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    eager = tiny()
+    eager = tiny(moe_intermediate_size=16).to(dtype)  # grouped_mm wants 16-byte strides
     eager.set_experts_implementation("grouped_mm")  # the reference on the GPU
     compiled = copy.deepcopy(eager)
     inputs, targets = batch()
@@ -220,18 +223,33 @@ def test_compiled_layers_train_like_eager_layers():
             aux = balancer.aux_loss()
             (loss + aux).backward()
         runs.append((loss.detach(), aux.detach(), balancer.counts(), model))
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    # One graph per layer kind, shared by its layers (the tiny preset: 1 dense + 3 MoE), and
-    # the final norm's: a per-layer constant in the hooks would compile each MoE layer anew.
-    assert counters["stats"]["unique_graphs"] == 3
+    breaks = dict(counters["graph_break"])
+    if dtype == torch.bfloat16:
+        assert not breaks, breaks
+        # One graph per layer kind, shared by its layers (the tiny preset: 1 dense + 3 MoE),
+        # and the final norm's: a per-layer constant in the hooks would compile each MoE
+        # layer anew.
+        assert counters["stats"]["unique_graphs"] == 3
+    else:
+        assert breaks and all("_sorted_experts" in reason for reason in breaks), breaks
     assert compiled.config._experts_implementation == kernels.SORTED_EXPERTS
     (loss_e, aux_e, counts_e, _), (loss_c, aux_c, counts_c, _) = runs
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(aux_c, aux_e, rtol=1e-5, atol=1e-7)
-    assert torch.equal(counts_c, counts_e) and counts_e.sum() > 0
+    assert counts_e.sum() > 0 and torch.equal(counts_c.sum(1), counts_e.sum(1))
+    if dtype == torch.float32:
+        assert torch.equal(counts_c, counts_e)
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(aux_c, aux_e, rtol=1e-5, atol=1e-7)
+        for (name, p_e), p_c in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+            assert p_c.grad is not None, name
+            torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+        return
+    # bf16 rounds in another order and a few tokens change experts (seen here: each
+    # gradient within 0.22 of eager's, relative L2); a lost gradient (zero, as in fp32 under
+    # dynamo on the GPU) is 1.
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-2, atol=0)
     for (name, p_e), p_c in zip(eager.named_parameters(), compiled.parameters(), strict=True):
-        assert p_c.grad is not None, name
-        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+        gap = (p_c.grad.float() - p_e.grad.float()).norm() / p_e.grad.float().norm()
+        assert gap < 0.5, (name, gap.item())
 
 
 @pytest.mark.parametrize("depth", [0, 2])

@@ -10,7 +10,8 @@
   stay untouched. The expert balancer's router hook runs eagerly between the graphs, which
   splits each MoE layer into several; `compile_router_hooks: true` traces it into the layer's
   graph instead (not with activation checkpointing, where the hook must tell recomputations
-  apart). On a GPU that gives one graph per layer with `experts: sorted`; HF's grouped_mm
+  apart). On a GPU that gives one graph per layer with `experts: sorted` in bf16 (in other
+  dtypes they run eagerly between the graphs: see sorted_experts_forward); HF's grouped_mm
   experts still end a graph at each expert GEMM there. On by default (ignored without compile).
 - `ce_chunk`: the lm_head + cross-entropy fused over token chunks (dsflow.lm), so the
   [tokens x vocab] logits are never held in full. Not with fp16: its gradients are formed
@@ -322,8 +323,8 @@ def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
         return gmm(x.to(weight.dtype), weight, offs=offsets)
     from transformers.integrations import moe
 
-    # Other dtypes: HF's differentiable fallback where torch has no kernel (fp32 on CUDA, or
-    # under torch.compile, which lowers only bf16); it answers before asking the device.
+    # Other dtypes run eagerly (sorted_experts_forward): HF's dispatcher picks torch's kernel
+    # or its own differentiable fallback.
     hf = getattr(moe, "_grouped_mm", None)
     if hf is not None:
         return hf(x, weight, offs=offsets)
@@ -333,7 +334,19 @@ def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
 def sorted_experts_forward(
     self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """HF experts interface (DeepseekV3Experts): the routed experts' output per token."""
+    """HF experts interface (DeepseekV3Experts): the routed experts' output per token. Inside
+    a compiled layer only in bf16: traced by torch 2.11's dynamo on an H200 (any backend,
+    even "eager"), the fp32 experts got zero weight gradients and passed none back to the
+    router or the layers below, while the forward was exact; so other dtypes run them eagerly
+    between the layer's graphs (then exact, as in bf16 compiled)."""
+    if self.gate_up_proj.dtype != torch.bfloat16:
+        return _sorted_experts_eager(self, hidden_states, top_k_index, top_k_weights)
+    return _sorted_experts(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _sorted_experts(
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     top_k = top_k_index.shape[-1]
     sorted_experts, order = torch.sort(top_k_index.reshape(-1), stable=True)
     inverse = torch.empty_like(order).scatter_(
@@ -346,6 +359,9 @@ def sorted_experts_forward(
     up = _grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offsets)
     down = _grouped_mm(self._apply_gate(up), self.down_proj.transpose(-2, -1), offsets)
     return _Combine.apply(down, top_k_weights, order, inverse, hidden_states.dtype)
+
+
+_sorted_experts_eager = torch.compiler.disable(_sorted_experts)
 
 
 def use_experts(model: Any, experts: str, fallback: bool = False) -> str:
