@@ -120,8 +120,9 @@ def fast_path_gradients(device: str, path: dict, dtype: str = "float32"):
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = build_model(model_config("tiny", 384), device_type=device)
-    model = model.to(device, getattr(torch, dtype)).train()
+    model = build_model(model_config("tiny", 384), device_type=device).to(device).train()
+    for p in model.parameters():  # as DeepSpeed casts: parameters, not buffers
+        p.data = p.data.to(getattr(torch, dtype))
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 384, (4, 65), generator=g).to(device)
     balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)

@@ -41,8 +41,10 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     assert not kernels.resolve({**auto, "async_metrics": False}, "cuda").async_metrics
     # Asked for by name, the sorted experts are not swapped for HF's where they do not apply.
     assert not kernels.resolve({**auto, "experts": "sorted"}, "cuda").experts_fallback
-    # auto keeps HF's experts where the sorted ones are untested: fp16, ZeRO-3.
+    # auto keeps HF's experts where the sorted ones are untested: fp16, ZeRO-3, and fp32,
+    # where they run eagerly between the compiled graphs (unmeasured for speed).
     assert kernels.resolve(auto, "cuda", precision="fp16").experts == "hf"
+    assert kernels.resolve(auto, "cuda", precision="fp32").experts == "hf"
     assert kernels.resolve(auto, "cuda", zero_stage=3).experts == "hf"
     assert kernels.resolve(auto, "cpu") == kernels.Perf(False, "sdpa", 0, True, False)
     assert kernels.resolve({**auto, "ce_chunk": 512, "compile": True}, "cpu").ce_chunk == 512
@@ -247,8 +249,11 @@ def test_compiled_layers_train_like_eager_layers(dtype):
     # gradient within 0.22 of eager's, relative L2); a lost gradient (zero, as in fp32 under
     # dynamo on the GPU) is 1.
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-2, atol=0)
+    torch.testing.assert_close(aux_c, aux_e, rtol=5e-2, atol=0)
     for (name, p_e), p_c in zip(eager.named_parameters(), compiled.parameters(), strict=True):
-        gap = (p_c.grad.float() - p_e.grad.float()).norm() / p_e.grad.float().norm()
+        assert p_c.grad is not None, name
+        want = p_e.grad.float()
+        gap = (p_c.grad.float() - want).norm() / want.norm().clamp_min(1e-30)
         assert gap < 0.5, (name, gap.item())
 
 

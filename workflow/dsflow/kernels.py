@@ -26,7 +26,7 @@
   dispatch (repeated rows: each token goes to k experts), the routing weights and the
   un-permutation. Each slot of the sort is one (token, k) pair, so the inverse permutation
   turns every scatter into a gather and a sum over a token's k rows. The same fp32 combine of
-  the k weighted outputs as HF. `auto` = sorted on CUDA in bf16/fp32 at ZeRO-0/1/2 (HF's
+  the k weighted outputs as HF. `auto` = sorted on CUDA in bf16 at ZeRO-0/1/2 (HF's
   experts elsewhere, and on a GPU below SM80 or for another experts layout), HF's on CPU:
   with the hooks traced, 1.16x the MoE step on one H200 (docs/performance.md).
 - `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.masteradam) instead of
@@ -139,11 +139,12 @@ def resolve(
             )
         ce_chunk = 0
     # With the router hooks traced, the sorted experts took an H200's MoE step from 133.2 to
-    # 114.5 ms (docs/performance.md). They are tested (CPU: 3 ranks; GPU: one) in bf16/fp32 at
-    # ZeRO-0/1/2; under fp16's loss scaling and ZeRO-3's parameter gathering they are not, so
-    # there, and on CPU, auto keeps HF's.
+    # 114.5 ms (docs/performance.md), in bf16 at ZeRO-0/1/2. In fp32 they run eagerly between
+    # the compiled graphs (sorted_experts_forward), unmeasured for speed, while HF's compiled
+    # fp32 experts gave the plain path's step on an H200; fp16's loss scaling and ZeRO-3's
+    # parameter gathering are untested. There, and on CPU, auto keeps HF's.
     experts_auto = perf.get("experts", "auto") == "auto"
-    tested = precision in ("bf16", "fp32") and zero_stage in (0, 1, 2)
+    tested = precision == "bf16" and zero_stage in (0, 1, 2)
     experts = ("sorted" if cuda and tested else "hf") if experts_auto else perf["experts"]
     return Perf(
         compile=compile_,
