@@ -60,12 +60,15 @@ def measure(config: str, variant: str, steps: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from dsflow import dsconfig, fusedgrads, kernels
-    from dsflow.balance import ExpertBalancer
-    from dsflow.lm import TrainingLM
-    from dsflow.model import build_model, model_config
+    from dsflow import dsconfig
+    from dsflow.model import fastpaths as kernels
+    from dsflow.model.balance import ExpertBalancer
+    from dsflow.model.build import build_model
+    from dsflow.model.loss import TrainingLM
+    from dsflow.model.presets import model_config
     from dsflow.params import deep_merge, load
-    from dsflow.worker import count_within
+    from dsflow.train import fusedgrads
+    from dsflow.train.loop import count_within
 
     deepspeed.init_distributed(dist_backend="gloo")
     train = deep_merge(load("params.yaml")["train"], {"zero_stage": 2, **VARIANTS[variant]})
@@ -134,7 +137,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         print(json.dumps(measure(*args.child, args.steps)))
-        from dsflow.worker import shutdown
+        from dsflow.train.loop import shutdown
 
         return shutdown(0)
     env = {

@@ -31,8 +31,8 @@ def sync() -> None:
 def build(experts: str, compiled: bool):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    from dsflow import kernels
-    from dsflow.model import model_config
+    from dsflow.model import fastpaths as kernels
+    from dsflow.model.presets import model_config
 
     config = model_config("medium", 3489, {})
     config._experts_implementation = "grouped_mm"

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq  # noqa: E402
 
 
 def _docs(args):
-    from dsflow import grammar
+    from dsflow.data import grammar
 
     start, n = args
     return [grammar.generate(1234, i)[0] for i in range(start, start + n)]
@@ -51,7 +51,7 @@ def make_corpus(path: Path, mb: float) -> tuple[int, int]:
 
 
 def train_tokenizer(corpus: Path, out: Path) -> int:
-    from dsflow.tokenizer import train_bpe
+    from dsflow.data.tokenizer import train_bpe
 
     texts = pq.read_table(corpus).column("text").to_pylist()[:10000]
     tok = train_bpe([texts], len(texts), 4096, 2)
@@ -96,7 +96,7 @@ def plain_two_processes(corpus: Path, tokenizer_dir: Path, batch_size: int) -> f
 def stage(
     corpus: Path, tokenizer_dir: Path, eos: int, num_proc: int, batch_size: int, work: Path
 ) -> float:
-    from dsflow import tokenize
+    from dsflow.data import tokenizing as tokenize
 
     tokenize.TOKENIZER = tokenizer_dir
     out = work / f"stage{num_proc}"

@@ -60,7 +60,7 @@ from pathlib import Path
 
 import yaml
 
-from dsflow.kernels import DEFAULT_CE_CHUNK
+from dsflow.model.fastpaths import DEFAULT_CE_CHUNK
 
 SEQ, MICRO = 1024, 16
 CONFIGS = {
@@ -244,9 +244,9 @@ def run_stage(
 
 
 def flops_per_token(config: dict) -> float:
-    from dsflow.flops import flops_per_token as fpt
-    from dsflow.model import model_config
-    from dsflow.train import vocab_size
+    from dsflow.model.flops import flops_per_token as fpt
+    from dsflow.model.presets import model_config
+    from dsflow.train.stage import vocab_size
 
     return fpt(model_config(config["preset"], vocab_size(), config["overrides"]), SEQ)
 

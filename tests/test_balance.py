@@ -1,4 +1,4 @@
-"""Auxiliary-loss-free expert balancing and the sequence-wise aux loss (dsflow.balance)."""
+"""Auxiliary-loss-free expert balancing and the sequence-wise aux loss (dsflow.model.balance)."""
 
 import json
 import math
@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsflow.balance import ExpertBalancer, aggregate_stats, load_stats
-from dsflow.model import build_model, model_config
+from dsflow.model.balance import ExpertBalancer, aggregate_stats, load_stats
+from dsflow.model.build import build_model
+from dsflow.model.presets import model_config
 
 V, T, B = 2048, 128, 8
 

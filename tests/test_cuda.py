@@ -113,10 +113,11 @@ def fast_path_gradients(device: str, path: dict, dtype: str = "float32"):
     import torch
     import torch._dynamo
 
-    from dsflow import kernels
-    from dsflow.balance import ExpertBalancer
-    from dsflow.lm import TrainingLM
-    from dsflow.model import build_model, model_config
+    from dsflow.model import fastpaths as kernels
+    from dsflow.model.balance import ExpertBalancer
+    from dsflow.model.build import build_model
+    from dsflow.model.loss import TrainingLM
+    from dsflow.model.presets import model_config
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -261,8 +262,9 @@ def test_expert_counting_and_update_do_not_sync_the_gpu_in_forward():
     per layer. Under CUDA's sync debug mode a synchronizing call raises."""
     import torch
 
-    from dsflow.balance import ExpertBalancer
-    from dsflow.model import build_model, model_config
+    from dsflow.model.balance import ExpertBalancer
+    from dsflow.model.build import build_model
+    from dsflow.model.presets import model_config
 
     torch.manual_seed(0)
     model = build_model(model_config("tiny", 256), device_type="cuda").cuda().train()
@@ -295,7 +297,7 @@ def test_fused_optimizer_kernel_takes_fusedadams_step():
     import torch
     from deepspeed.ops.adam import FusedAdam
 
-    from dsflow.masteradam import MasterAdamW
+    from dsflow.train.masteradam import MasterAdamW
 
     torch.manual_seed(0)
     # Sizes around the kernel's block (2048), one odd, one much larger.

@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import dsflow, update_params
-from dsflow import grammar
-from dsflow.download import val_split
+from dsflow.data import grammar
+from dsflow.data.download import val_split
 
 
 def read_split(repo, split):

@@ -49,7 +49,7 @@ def evaluated(prepared, tmp_path_factory):
 def test_bits_per_byte_counts_every_target_byte(evaluated):
     from transformers import AutoTokenizer
 
-    from dsflow.data import load_index
+    from dsflow.data.shards import load_index
     from dsflow.evaluate import token_byte_lengths
 
     tok = AutoTokenizer.from_pretrained(evaluated / "models/final")

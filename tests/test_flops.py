@@ -1,10 +1,10 @@
-"""Training FLOPs per token, GPU peak table and MFU (dsflow.flops)."""
+"""Training FLOPs per token, GPU peak table and MFU (dsflow.model.flops)."""
 
 import pytest
 import torch
 
-from dsflow.flops import GPU_PEAK_TFLOPS, flops_per_token, gpu_key, mfu, peak_flops
-from dsflow.model import PRESETS, model_config
+from dsflow.model.flops import GPU_PEAK_TFLOPS, flops_per_token, gpu_key, mfu, peak_flops
+from dsflow.model.presets import PRESETS, model_config
 
 V = 1000
 

@@ -54,6 +54,18 @@ def _persist(out) -> bool:
     return isinstance(out, dict) and bool(next(iter(out.values())).get("persist"))
 
 
+def _expand(repo, deps: list[str]) -> list[str]:
+    """dvc.yaml's code folders as the files Snakemake's code() helper lists for them."""
+    out = []
+    for dep in deps:
+        path = repo / dep
+        if dep.startswith("workflow/dsflow/") and path.is_dir():
+            out += [str(f.relative_to(repo)) for f in path.rglob("*.py") if f.stat().st_size]
+        else:
+            out.append(dep)
+    return out
+
+
 def dvc_stages(repo=ROOT) -> dict:
     """Stages of dvc.yaml. Persistent outs (resume state) are listed apart: Snakemake deletes a
     job's outputs before running it, so the Snakefile must not declare them."""
@@ -63,7 +75,7 @@ def dvc_stages(repo=ROOT) -> dict:
         outs = st.get("outs", []) + st.get("metrics", []) + st.get("plots", [])
         stages[name] = {
             "cmd": st["cmd"].strip(),
-            "deps": sorted(st.get("deps", [])),
+            "deps": sorted(_expand(repo, st.get("deps", []))),
             "outs": sorted(_out_path(o) for o in outs if not _persist(o)),
             "persist": sorted(_out_path(o) for o in outs if _persist(o)),
             "params": sorted(st.get("params", [])),

@@ -1,4 +1,4 @@
-"""dsflow.fusedgrads gives DeepSpeed's own overflow verdict and gradient norm, on 3 CPU ranks
+"""dsflow.train.fusedgrads gives DeepSpeed's own overflow verdict and gradient norm, on 3 CPU ranks
 whose ZeRO partitions split parameters, for ZeRO-1 and ZeRO-2, bf16 and fp32."""
 
 from __future__ import annotations

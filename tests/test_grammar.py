@@ -9,8 +9,8 @@ from fractions import Fraction
 
 import pytest
 
-from dsflow import grammar
-from dsflow.grammar import GrammarError, _compile, _render
+from dsflow.data import grammar
+from dsflow.data.grammar import GrammarError, _compile, _render
 
 N_DOCS = 2000
 SEED = 1234

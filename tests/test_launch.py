@@ -34,7 +34,7 @@ def test_one_node_is_localhost_and_ignores_the_environment():
         "127.0.0.1",
         29999,
     )
-    assert launch.torchrun_command(3, "29999", "dsflow.worker")[3:] == [
+    assert launch.torchrun_command(3, "29999", "dsflow.train.loop")[3:] == [
         "--nnodes",
         "1",
         "--nproc_per_node",
@@ -44,7 +44,7 @@ def test_one_node_is_localhost_and_ignores_the_environment():
         "--master_port",
         "29999",
         "-m",
-        "dsflow.worker",
+        "dsflow.train.loop",
     ]
 
 
@@ -52,12 +52,12 @@ def test_torchrun_nodes_meet_at_a_c10d_rendezvous():
     train = train_params(nodes=2, master_addr="node0", master_port=29500, rdzv_id="run7")
     nodes = launch.resolve_nodes(train, 4, {"NODE_RANK": "1"})
     assert (nodes.count, nodes.rank, nodes.leader) == (2, 1, False)
-    cmd = launch.command(train, 4, nodes)
+    cmd = launch.command(train, 4, nodes, "dsflow.train.loop")
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     args = " ".join(cmd[3:])
     assert args == (
         "--nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint node0:29500 "
-        "--rdzv_id run7 --rdzv_conf join_timeout=1800 --max_restarts 0 -m dsflow.worker"
+        "--rdzv_id run7 --rdzv_conf join_timeout=1800 --max_restarts 0 -m dsflow.train.loop"
     )
 
 
@@ -112,7 +112,7 @@ def test_deepspeed_launcher_uses_a_hostfile_from_node_0(tmp_path):
     train = train_params(launcher="deepspeed", nodes=2, master_port=29400, hostfile=str(hostfile))
     nodes = launch.resolve_nodes(train, 8, {})
     assert nodes.rank == 0 and nodes.master_addr is None  # DeepSpeed: the hostfile's first host
-    assert launch.command(train, 8, nodes)[1:] == [
+    assert launch.command(train, 8, nodes, "dsflow.train.loop")[1:] == [
         "-m",
         "deepspeed.launcher.runner",
         "--hostfile",
@@ -124,14 +124,16 @@ def test_deepspeed_launcher_uses_a_hostfile_from_node_0(tmp_path):
         "--master_port",
         "29400",
         "--module",
-        "dsflow.worker",
+        "dsflow.train.loop",
     ]
     named = launch.resolve_nodes({**train, "master_addr": "10.0.0.1"}, 8, {})
-    cmd = launch.command(train, 8, named)
+    cmd = launch.command(train, 8, named, "dsflow.train.loop")
     assert cmd[cmd.index("--master_addr") + 1] == "10.0.0.1"
     # one node: DeepSpeed forks the local ranks, no hostfile
     one = train_params(launcher="deepspeed", master_port=29400)
-    assert "--hostfile" not in launch.command(one, 3, launch.resolve_nodes(one, 3, {}))
+    assert "--hostfile" not in launch.command(
+        one, 3, launch.resolve_nodes(one, 3, {}), "dsflow.train.loop"
+    )
 
 
 def test_bad_hostfiles_are_one_line_naming_train_hostfile(tmp_path):
@@ -199,7 +201,8 @@ def test_train_stage_refuses_an_incomplete_multi_node_run(prepared, tmp_path):
 
 
 def test_plan_and_doctor_count_the_ranks_of_every_node(monkeypatch, tmp_path):
-    from dsflow import doctor, plan
+    from dsflow import doctor
+    from dsflow.plan import stage as plan
 
     monkeypatch.chdir(tmp_path)
     params = P.validate(

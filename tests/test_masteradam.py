@@ -11,7 +11,7 @@ import torch
 from test_train import losses
 
 from conftest import dsflow, tiny_run, update_params
-from dsflow.masteradam import MasterAdamW
+from dsflow.train.masteradam import MasterAdamW
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -112,7 +112,7 @@ def test_the_triton_kernel_takes_fusedadams_step(monkeypatch, dtype):
     fp32 (here written out in torch; scalars round a little differently, so the masters agree
     to an ulp or two) and the weights the masters rounded to nearest even, as torch rounds.
     Tensor sizes around the kernel's block and a clip that is active."""
-    from dsflow import masteradam
+    from dsflow.train import masteradam
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(masteradam, "_KERNEL", None)  # built anew, for the interpreter
@@ -151,7 +151,7 @@ def test_the_triton_kernel_takes_fusedadams_step(monkeypatch, dtype):
 
 def test_perf_optimizer_resolves_where_it_applies():
     from dsflow.errors import UsageError
-    from dsflow.kernels import optimizer_choice
+    from dsflow.model.fastpaths import optimizer_choice
 
     # auto: the fused one on one GPU at ZeRO-0 in bf16 (measured faster there); DeepSpeed's on
     # several GPUs, at another stage, in another precision, and on CPU.
@@ -182,8 +182,8 @@ def test_planner_and_train_stage_agree_on_the_optimizer(
     given the stage). On GPUs, wherever the planner wants the fused optimizer at the stage it
     picks, the train stage takes it, and nowhere else with `auto`."""
     from dsflow.errors import UsageError
-    from dsflow.kernels import optimizer_choice
-    from dsflow.plan import auto_first_stage, fused_optimizer_wanted
+    from dsflow.model.fastpaths import optimizer_choice
+    from dsflow.plan.stage import auto_first_stage, fused_optimizer_wanted
 
     train = {
         "precision": precision,
@@ -266,7 +266,7 @@ def test_masters_come_from_the_weights_at_the_first_step():
 
 def test_a_resume_with_the_other_optimizer_is_a_one_line_error(tmp_path):
     from dsflow.errors import UsageError
-    from dsflow.train import check_optimizer
+    from dsflow.train.stage import check_optimizer
 
     (tmp_path / "run.json").write_text(json.dumps({"perf": {"optimizer": "fused"}}))
     check_optimizer(tmp_path, {"perf": {"optimizer": "fused"}})
@@ -282,8 +282,8 @@ def test_a_resume_with_the_other_optimizer_is_a_one_line_error(tmp_path):
 def test_the_planner_counts_no_fp32_gradient_copies_for_it():
     """ZeRO-0 bf16 with DeepSpeed's optimizer holds fp32 copies of all gradients at the step
     (FP16_Optimizer's flat buffers); the fused optimizer reads the bf16 ones."""
-    from dsflow.model import model_config
-    from dsflow.plan import estimate
+    from dsflow.model.presets import model_config
+    from dsflow.plan.stage import estimate
 
     config = model_config("small", 4096, {})
     kw = {"seq_len": 1024, "micro_batch": 1, "world": 1, "zero_stage": 0, "precision": "bf16"}
@@ -326,7 +326,7 @@ def test_groups_and_missing_gradients_take_the_same_step_in_both_kernels(monkeyp
     """Two parameter groups (their own learning rates) and a parameter without a gradient (a
     zero gradient, as DeepSpeed counts it): Triton's kernel (in the interpreter) and torch's
     AdamW agree, the masters to an ulp or two, and neither changes the caller's gradients."""
-    from dsflow import masteradam
+    from dsflow.train import masteradam
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(masteradam, "_KERNEL", None)
@@ -364,7 +364,7 @@ def test_the_triton_kernel_skips_a_non_finite_step_without_waiting_for_the_devic
     it), and the next step takes torch's AdamW step 2 (its bias correction)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from dsflow import masteradam
+    from dsflow.train import masteradam
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(masteradam, "_KERNEL", None)

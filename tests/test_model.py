@@ -7,13 +7,8 @@ import pytest
 import torch
 
 from dsflow.errors import UsageError
-from dsflow.model import (
-    PRESETS,
-    build_model,
-    describe,
-    model_config,
-    param_counts,
-)
+from dsflow.model.build import build_model
+from dsflow.model.presets import PRESETS, describe, model_config, param_counts
 
 VOCAB = 1000
 

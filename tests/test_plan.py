@@ -1,4 +1,4 @@
-"""Memory / compute planner (dsflow.plan): shapes, ZeRO semantics, DeepSpeed cross-check, the
+"""Memory / compute planner (dsflow.plan.stage): shapes, ZeRO semantics, DeepSpeed cross-check, the
 activation model against autograd, strategies, and the stage's report file."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dsflow import params as params_mod
-from dsflow import plan
 from dsflow.errors import UsageError
-from dsflow.model import PRESETS, model_config, param_counts
+from dsflow.model.presets import PRESETS, model_config, param_counts
+from dsflow.plan import stage as plan
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 10**9
@@ -95,8 +95,8 @@ def _measured_saved_bytes(config, micro, seq, dtype) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AutoModelForCausalLM
 
-    from dsflow.balance import ExpertBalancer
-    from dsflow.lm import mean_loss
+    from dsflow.model.balance import ExpertBalancer
+    from dsflow.model.loss import mean_loss
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
@@ -392,7 +392,7 @@ def test_plan_table_is_aligned_and_complete():
 
 
 def test_summary_sizes_and_flops():
-    from dsflow.flops import flops_per_token
+    from dsflow.model.flops import flops_per_token
 
     config = model_config("medium", 32000)
     P = param_counts(config)["total"]

@@ -29,10 +29,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT, dsflow, update_params
-from dsflow import checkpoint as ckpt
 from dsflow import dsconfig
 from dsflow import params as P
 from dsflow.errors import UsageError
+from dsflow.train import checkpoint as ckpt
 
 TRAIN = {
     "model": {"preset": "tiny"},
@@ -105,7 +105,7 @@ def alive_ranks(repo: Path) -> list[int]:
     pids = []
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if "dsflow.worker" in " ".join(p.info["cmdline"] or []) and p.cwd() == str(repo):
+            if "dsflow.train.loop" in " ".join(p.info["cmdline"] or []) and p.cwd() == str(repo):
                 pids.append(p.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
@@ -446,7 +446,7 @@ def test_a_rank_destroys_its_process_group_before_exiting(tmp_path):
     group first and keeps the exit code; a second call is harmless."""
     import torch.distributed as dist
 
-    from dsflow import worker
+    from dsflow.train import loop as worker
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -506,7 +506,7 @@ def test_resume_validates_latest_and_falls_back_to_the_newest_complete_tag(tmp_p
 
 
 def test_the_stage_removes_stale_temp_tags_and_repairs_latest(tmp_path, monkeypatch):
-    from dsflow import train as train_mod
+    from dsflow.train import stage as train_mod
 
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "checkpoints"
@@ -545,7 +545,7 @@ def test_run_lock_is_exclusive_and_names_the_holder(tmp_path):
 
 
 def test_step_health_counts_overflow_skips_nan_streaks_and_spikes():
-    from dsflow.worker import StepHealth
+    from dsflow.train.loop import StepHealth
 
     h = StepHealth(max_bad=3, min_history=3, factor=5.0)
     # fp16 loss-scale overflow: finite loss, update skipped by DeepSpeed. Counted, not bad.

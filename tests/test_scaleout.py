@@ -14,10 +14,10 @@ import pytest
 from test_train import EVAL_EXPORTED, losses, trained_copy
 
 from conftest import ROOT, dsflow
-from dsflow import checkpoint as ckpt
 from dsflow import dsconfig
 from dsflow import params as P
 from dsflow.errors import UsageError
+from dsflow.train import checkpoint as ckpt
 
 # Global batch 12 = micro 2 x accum 2 x 3 ranks = micro 2 x accum 3 x 2 ranks.
 BATCH = {"train": {"micro_batch": 2, "grad_accum": 2, "keep_checkpoints": 3}}
@@ -94,7 +94,7 @@ def test_schema_names_the_key_of_a_bad_offload_or_stage():
 
 
 def test_auto_picks_the_cheapest_layout_that_fits():
-    from dsflow import plan as planner
+    from dsflow.plan import stage as planner
 
     auto = params(zero_stage="auto", micro_batch=1, seq_len=1024)
     # CPU: nothing to fit, the fewest collectives.
@@ -158,7 +158,7 @@ def test_one_rank_at_zero_1_gets_no_gradient_hooks_by_default():
         params(zero={"overlap_comm": "yes"})
     assert "train.zero.overlap_comm" in str(exc.value)
     # The planner counts the reduce buckets DeepSpeed will double-buffer, or not.
-    from dsflow import plan as planner
+    from dsflow.plan import stage as planner
 
     assert not planner.resolve(params(zero_stage=1), None, world=1).overlap_comm
     assert planner.resolve(params(zero_stage=2), None, world=1).overlap_comm
@@ -323,7 +323,7 @@ def test_fingerprint_ignores_how_the_global_batch_is_split():
 def test_another_world_size_with_another_global_batch_says_how_to_keep_it(
     tmp_path, world, micro, says
 ):
-    from dsflow import train
+    from dsflow.train import stage as train
 
     old = params(gpus=3, micro_batch=2, grad_accum=2)
     (tmp_path / "run.json").write_text(
@@ -354,7 +354,7 @@ def test_another_world_size_with_another_global_batch_says_how_to_keep_it(
 def test_another_zero_layout_is_refused_rather_than_started_over(tmp_path):
     """Universal checkpoints do not load across ZeRO stages: a layout change (e.g. zero_stage
     auto on other GPUs) names the settings the checkpoints need instead of deleting them."""
-    from dsflow import train
+    from dsflow.train import stage as train
 
     old = params(zero_stage=2, offload={"optimizer": "cpu"})
     (tmp_path / "run.json").write_text(
@@ -386,7 +386,7 @@ def test_auto_keeps_the_layout_this_run_was_saved_in(prepared, tmp_path, monkeyp
 
     from test_train import TRAIN
 
-    from dsflow import train
+    from dsflow.train import stage as train
 
     repo = tmp_path / "repo"
     shutil.copytree(prepared, repo, ignore=shutil.ignore_patterns("checkpoints", "models"))
@@ -419,7 +419,7 @@ def test_lockstep_validation_runs_as_many_forwards_on_every_rank():
     import numpy as np
     import torch
 
-    from dsflow.lm import evaluate_loss
+    from dsflow.model.loss import evaluate_loss
 
     class Reader:
         seq_len, num_windows = 4, 7

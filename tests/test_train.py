@@ -213,7 +213,7 @@ def test_logging_a_step_does_not_reread_the_run_so_far(tmp_path, monkeypatch):
     the summary still hold every step."""
     import dvclive.live
 
-    from dsflow.worker import Logger
+    from dsflow.train.loop import Logger
 
     monkeypatch.chdir(tmp_path)
     for var in ("DVC_ROOT", "DVC_STUDIO_TOKEN", "STUDIO_TOKEN", "DVC_STUDIO_URL"):

@@ -7,8 +7,9 @@ import re
 import pytest
 
 from conftest import dsflow, update_params
-from dsflow import dsconfig, train
+from dsflow import dsconfig, machine
 from dsflow.errors import UsageError
+from dsflow.train import stage as train
 
 
 def test_the_classic_inconsistent_batch_fails_with_the_numbers_and_a_fix():
@@ -54,13 +55,13 @@ def test_too_many_gpus_is_an_error_not_a_fallback(monkeypatch):
     _fake_cuda(monkeypatch, 2)
     base = {"device": "auto", "gpus": 3}
     with pytest.raises(UsageError, match="3 GPUs requested but 2 visible"):
-        train.resolve_device(base)
-    assert train.resolve_device({"device": "auto", "gpus": "auto"}) == ("cuda", 2)
-    assert train.resolve_device({"device": "cpu", "gpus": 3}) == ("cpu", 3)
+        machine.resolve_device(base)
+    assert machine.resolve_device({"device": "auto", "gpus": "auto"}) == ("cuda", 2)
+    assert machine.resolve_device({"device": "cpu", "gpus": 3}) == ("cpu", 3)
     _fake_cuda(monkeypatch, 0)
     with pytest.raises(UsageError, match="no CUDA GPU is visible"):
-        train.resolve_device({"device": "cuda", "gpus": 1})
-    assert train.resolve_device({"device": "auto", "gpus": 3}) == ("cpu", 3)
+        machine.resolve_device({"device": "cuda", "gpus": 1})
+    assert machine.resolve_device({"device": "auto", "gpus": 3}) == ("cpu", 3)
 
 
 def test_ds_config_generation_and_user_merge(tmp_path):
@@ -115,7 +116,8 @@ def test_stage_refuses_bad_requests_before_launch(prepared, tmp_path):
 def test_vocab_mismatch_with_a_pretrained_model(prepared, tmp_path):
     import shutil
 
-    from dsflow.model import build_model, model_config
+    from dsflow.model.build import build_model
+    from dsflow.model.presets import model_config
 
     ckpt = tmp_path / "other_vocab"
     build_model(model_config("tiny", 999), device_type="cpu").save_pretrained(ckpt)

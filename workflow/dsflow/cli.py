@@ -14,13 +14,13 @@ from dsflow import params as params_mod
 from dsflow.errors import UsageError
 
 STAGES = {
-    "download": "dsflow.download",
-    "tokenizer": "dsflow.tokenizer",
-    "tokenize": "dsflow.tokenize",
-    "shard": "dsflow.shard",
-    "plan": "dsflow.plan",
+    "download": "dsflow.data.download",
+    "tokenizer": "dsflow.data.tokenizer",
+    "tokenize": "dsflow.data.tokenizing",
+    "shard": "dsflow.data.shard",
+    "plan": "dsflow.plan.stage",
     "doctor": "dsflow.doctor",
-    "train": "dsflow.train",
+    "train": "dsflow.train.stage",
     "evaluate": "dsflow.evaluate",
     "report": "dsflow.report",
     "export": "dsflow.export",  # not a DAG stage: a checkpoint -> HF model, on demand

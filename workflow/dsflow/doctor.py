@@ -69,7 +69,7 @@ def gather_facts(project_dir: str | os.PathLike = ".") -> dict[str, Any]:
     """What this machine has; works without CUDA (then ``gpus`` is empty)."""
     import torch
 
-    from dsflow.plan import host_memory_bytes
+    from dsflow.plan.stage import host_memory_bytes
 
     gpus: list[dict[str, Any]] = []
     p2p: list[dict[str, Any]] = []
@@ -203,7 +203,7 @@ def _device_and_world(facts: dict, train: dict) -> tuple[str, int, list[Check]]:
 
 
 def _plan_for(facts: dict, params: dict, world: int) -> dict:
-    from dsflow import plan as plan_mod
+    from dsflow.plan import stage as plan_mod
 
     gpus = [
         {"name": g["name"], "total_memory": int(g["total_memory"])} for g in facts.get("gpus", [])
@@ -401,7 +401,7 @@ def _resource_checks(facts: dict, params: dict, plan: dict, device: str, world: 
 
 
 def format_checks(checks: list[Check]) -> str:
-    from dsflow.plan import format_table
+    from dsflow.plan.stage import format_table
 
     return format_table(
         ["check", "status", "detail", "fix"], [[c.name, c.status, c.detail, c.fix] for c in checks]

@@ -138,7 +138,7 @@ def build(train: dict, batch: Batch, steps: int, device_type: str) -> dict:
 
 
 def for_client_optimizer(cfg: dict, built: dict, source: str | None = None) -> dict:
-    """The config for dsflow's fused optimizer (train.perf.optimizer: fused, dsflow.masteradam):
+    """The config for dsflow's fused optimizer (train.perf.optimizer: fused, dsflow.train.masteradam):
     the model is cast to bf16 by dsflow and the optimizer keeps the fp32 masters and clips, so
     DeepSpeed gets no optimizer section, no bf16 wrapper and no clipping of its own (it would
     clip the bf16 gradients in bf16). The scheduler section stays: it drives the client

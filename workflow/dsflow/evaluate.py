@@ -13,7 +13,6 @@ import json
 import math
 import os
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,13 +20,9 @@ import torch.distributed as dist
 
 from dsflow.atomic import atomic_dir, atomic_file
 from dsflow.errors import UsageError
+from dsflow.paths import EVAL_DETAILS, EVAL_METRICS, FINAL, MANIFEST, SHARDS
 from dsflow.progress import bar, log
 
-FINAL = Path("models/final")
-SHARDS = Path("data/shards")
-MANIFEST = Path("data/raw/manifest.json")
-METRICS = Path("metrics/eval.json")
-DETAILS = Path("reports/eval")
 WORKER_ENV = "DSFLOW_EVAL_WORKER"
 
 
@@ -68,7 +63,7 @@ def token_byte_lengths(tokenizer) -> tuple[np.ndarray, bool]:
 
 def window_scores(model, reader, byte_len, micro, device, rank, world, max_windows, balancer):
     """{window index: (nats, tokens, bytes)} for this rank's round-robin share."""
-    from dsflow.lm import to_batch, token_nll
+    from dsflow.model.loss import to_batch, token_nll
 
     n = reader.num_windows if max_windows is None else min(max_windows, reader.num_windows)
     mine = list(range(rank, n, world))
@@ -137,8 +132,8 @@ def lm_eval_results(tasks: list[str]) -> dict:
 def worker(params: dict, device_type: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsflow.balance import ExpertBalancer
-    from dsflow.data import ShardReader
+    from dsflow.data.shards import ShardReader
+    from dsflow.model.balance import ExpertBalancer
 
     distributed = "RANK" in os.environ
     if distributed:
@@ -203,10 +198,10 @@ def write_results(params, model, tokenizer, scores, expert, exact, world, device
         metrics["lm_eval"] = lm_eval
     samples = generate_samples(model, tokenizer, params["evaluate"], device)
     layers = {str(k): v for k, v in expert.get("layers", {}).items()}
-    with atomic_dir(DETAILS) as tmp:
+    with atomic_dir(EVAL_DETAILS) as tmp:
         (tmp / "samples.json").write_text(json.dumps(samples, indent=2, sort_keys=True) + "\n")
         (tmp / "expert_load.json").write_text(json.dumps(layers, indent=2, sort_keys=True) + "\n")
-    with atomic_file(METRICS) as f:
+    with atomic_file(EVAL_METRICS) as f:
         f.write(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     log.info(
         "val loss %.4f, %.4f bits/byte%s",
@@ -218,7 +213,8 @@ def write_results(params, model, tokenizer, scores, expert, exact, world, device
 
 def run(params: dict) -> None:
     from dsflow import params as params_mod
-    from dsflow.train import free_port, launch_env, resolve_device, torchrun_command
+    from dsflow.launch import free_port, launch_env, torchrun_command
+    from dsflow.machine import resolve_device
 
     if not (FINAL / "config.json").exists():
         raise UsageError(f"{FINAL}: no exported model; run the train stage first")

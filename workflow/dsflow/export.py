@@ -18,11 +18,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dsflow import checkpoint as ckpt
 from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
-
-TOKENIZER = Path("data/tokenizer")
+from dsflow.paths import TOKENIZER, export_dir
+from dsflow.train import checkpoint as ckpt
 
 
 def add_arguments(parser) -> None:
@@ -49,8 +48,9 @@ def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> P
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsflow.balance import find_routers
-    from dsflow.model import _load_checkpoint_config, model_config
+    from dsflow.model.balance import find_routers
+    from dsflow.model.build import load_checkpoint_config
+    from dsflow.model.presets import model_config
 
     try:
         run = json.loads((root / "run.json").read_text())
@@ -61,7 +61,7 @@ def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> P
         ) from None
     model = params["model"]
     if model["pretrained"]:
-        config = _load_checkpoint_config(model["pretrained"])
+        config = load_checkpoint_config(model["pretrained"])
     else:
         config = model_config(model["preset"], vocab, model["overrides"])
     weights = consolidated_state_dict(root, tag)
@@ -93,6 +93,6 @@ def run(params: dict, args: Any = None) -> None:
     if problem:
         raise UsageError(f"checkpoint {root}/{tag}: {problem}")
     dtype = getattr(args, "dtype", None) or "fp32"
-    out = Path(getattr(args, "out", None) or f"models/export-{tag}")
+    out = Path(getattr(args, "out", None) or export_dir(tag))
     export_checkpoint(root, tag, out, dtype)
     log.info("%s/%s -> %s (%s, consolidated from every rank's partition)", root, tag, out, dtype)

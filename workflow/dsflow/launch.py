@@ -5,7 +5,7 @@ World size = train.nodes x ranks per node (train.gpus). The launch engines are t
 - torchrun, one launcher per node, meeting at a c10d rendezvous (`train.master_addr:master_port`,
   id `train.rdzv_id`). Every node runs the train stage; node 0 (`train.node_rank`, $NODE_RANK or
   $SLURM_NODEID) prepares checkpoints/ and run.json and hands the plan to every rank over the
-  rendezvous; the other nodes only launch their ranks (see dsflow.train).
+  rendezvous; the other nodes only launch their ranks (see dsflow.train.stage).
 - DeepSpeed's launcher with a hostfile: only node 0 runs the stage, pdsh/ssh start the others.
 - SLURM: started once in an allocation of train.nodes nodes (sbatch, or Snakemake's SLURM
   executor), the stage runs itself once per node with `srun --ntasks-per-node=1`, and each of
@@ -228,7 +228,7 @@ def deepspeed_command(ranks_per_node: int, nodes: Nodes, module: str) -> list[st
     ]
 
 
-def command(train: dict, ranks_per_node: int, nodes: Nodes, module: str = "dsflow.worker"):
+def command(train: dict, ranks_per_node: int, nodes: Nodes, module: str):
     if train["launcher"] == "deepspeed":
         return deepspeed_command(ranks_per_node, nodes, module)
     return torchrun_command(ranks_per_node, str(nodes.master_port), module, nodes)
@@ -277,3 +277,16 @@ def slurm_env(train: dict, params_json: str, env: Mapping[str, str] = os.environ
     out["MASTER_ADDR"] = train["master_addr"] or env.get("MASTER_ADDR") or socket.gethostname()
     out["MASTER_PORT"] = str(train["master_port"] or env.get("MASTER_PORT") or free_port())
     return out
+
+
+def launch_env(plan: dict) -> dict:
+    env = dict(os.environ)
+    local = plan.get("local_ranks", plan["world"])
+    env["DSFLOW_DEVICE"] = plan["device"]
+    if plan["device"] == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        # Ranks share the cores: more threads than cores would make every rank slower.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env

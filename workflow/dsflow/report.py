@@ -20,13 +20,23 @@ import yaml
 from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
 from dsflow.params import flatten
+from dsflow.paths import (
+    EVAL_DETAILS,
+    EVAL_METRICS,
+    FIGURES,
+    LIVE,
+    LOGS,
+    MANIFEST,
+    PLAN,
+    REPORT_HTML,
+    REPORT_MD,
+    TRAIN_METRICS,
+    shard_index,
+)
 from dsflow.progress import log
 
-REPORT_HTML = Path("reports/report.html")
-REPORT_MD = Path("reports/report.md")
-FIGURES = Path("reports/figures")
-LIVE = Path("dvclive/plots/metrics")
-METRIC_FILES = ("metrics/train.json", "metrics/eval.json")
+LIVE_PLOTS = LIVE / "plots" / "metrics"
+METRIC_FILES = (str(TRAIN_METRICS), str(EVAL_METRICS))
 PACKAGES = (
     "dsflow",
     "torch",
@@ -46,7 +56,7 @@ def read_json(path: str | Path) -> dict:
 
 
 def read_tsv(name: str) -> tuple[list[int], list[float]]:
-    path = LIVE / f"{name}.tsv"
+    path = LIVE_PLOTS / f"{name}.tsv"
     if not path.exists():
         return [], []
     rows = [r.split("\t") for r in path.read_text().splitlines()[1:] if r.strip()]
@@ -118,7 +128,7 @@ def predicted_memory_gb(train: dict) -> float | None:
     """The planner's per-GPU allocation (reports/plan.json); comparable on CUDA only."""
     if train.get("device") != "cuda":
         return None
-    allocated = read_json("reports/plan.json").get("estimate", {}).get("gpu", {}).get("allocated")
+    allocated = read_json(PLAN).get("estimate", {}).get("gpu", {}).get("allocated")
     return allocated / 1e9 if allocated else None
 
 
@@ -208,7 +218,7 @@ def fmt(value) -> str:
 
 def stage_times() -> list[list]:
     rows = []
-    for path in sorted(Path("logs").glob("*.log")):
+    for path in sorted(LOGS.glob("*.log")):
         found = re.findall(r"wall_s=([0-9.]+)", path.read_text(errors="replace"))
         if found:
             rows.append([path.stem, f"{float(found[-1]):.1f}"])
@@ -216,10 +226,10 @@ def stage_times() -> list[list]:
 
 
 def build_markdown(params, train, evalm, details, prov, comparison, figure_names) -> str:
-    from dsflow.model import describe, model_config
+    from dsflow.model.presets import describe, model_config
 
-    manifest = read_json("data/raw/manifest.json")
-    index = read_json("data/shards/train/index.json")
+    manifest = read_json(MANIFEST)
+    index = read_json(shard_index("train"))
     parts = ["# dsflow run report", ""]
     parts += ["## Provenance", ""]
     parts.append(
@@ -250,7 +260,7 @@ def build_markdown(params, train, evalm, details, prov, comparison, figure_names
     rows = [["source", manifest.get("source")]]
     for split in ("train", "val"):
         sp = manifest.get("splits", {}).get(split, {})
-        idx = read_json(f"data/shards/{split}/index.json")
+        idx = read_json(shard_index(split))
         rows.append(
             [
                 f"{split}: documents / bytes / tokens",
@@ -334,7 +344,7 @@ def build_markdown(params, train, evalm, details, prov, comparison, figure_names
             "",
         ]
         rows = []
-        for f, now in (("metrics/train.json", train), ("metrics/eval.json", evalm)):
+        for f, now in ((str(TRAIN_METRICS), train), (str(EVAL_METRICS), evalm)):
             before = old_metrics.get(f, {})
             for k in sorted(set(now) | set(before)):
                 a, b = before.get(k), now.get(k)
@@ -425,13 +435,13 @@ def markdown_to_html(md: str, images: dict[str, bytes]) -> str:
 
 
 def run(params: dict) -> None:
-    train = read_json("metrics/train.json")
-    evalm = read_json("metrics/eval.json")
+    train = read_json(TRAIN_METRICS)
+    evalm = read_json(EVAL_METRICS)
     if not train or not evalm:
         raise UsageError(
             "metrics/train.json or metrics/eval.json missing; run train and evaluate first"
         )
-    details = Path("reports/eval")
+    details = EVAL_DETAILS
     prov = provenance(params, train)
     comparison = previous_run()
     figs = figure_pngs(train, details)

@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+from pathlib import Path
 
 from snakemake.utils import validate
 
@@ -25,9 +26,17 @@ def P(*keys):
     return {key.replace(".", "__"): dsflow_params.get(config, key) for key in keys}
 
 
-def code(*modules):
-    """The stage's own source files: editing them reruns the stage, in DVC and here."""
-    return [f"workflow/dsflow/{m}.py" for m in modules]
+def code(*paths):
+    """The dsflow code a stage runs (files and folders under workflow/dsflow), as files: editing
+    one reruns the stage here as in DVC, which hashes the folders dvc.yaml names."""
+    files = []
+    for path in paths:
+        path = os.path.join("workflow", "dsflow", path)
+        if os.path.isdir(path):
+            files += sorted(str(p) for p in Path(path).rglob("*.py") if p.stat().st_size)
+        else:
+            files.append(path)
+    return files
 
 
 def train_gpus():

@@ -3,7 +3,14 @@
 
 rule download:
     input:
-        code("download", "grammar"),
+        code(
+            "data/download.py",
+            "data/grammar.py",
+            "atomic.py",
+            "errors.py",
+            "paths.py",
+            "progress.py",
+        ),
     output:
         directory("data/raw"),
     params:
@@ -16,7 +23,7 @@ rule download:
 
 rule tokenizer:
     input:
-        code("tokenizer"),
+        code("data/tokenizer.py", "atomic.py", "errors.py", "paths.py", "progress.py"),
         "data/raw",
     output:
         directory("data/tokenizer"),
@@ -30,7 +37,7 @@ rule tokenizer:
 
 rule tokenize:
     input:
-        code("tokenize"),
+        code("data/tokenizing.py", "atomic.py", "errors.py", "paths.py", "progress.py"),
         "data/raw",
         "data/tokenizer",
     output:
@@ -45,7 +52,7 @@ rule tokenize:
 
 rule shard:
     input:
-        code("shard"),
+        code("data/shard.py", "atomic.py", "errors.py", "paths.py", "progress.py"),
         "data/tokens",
         "data/tokenizer",
     output:

@@ -3,7 +3,19 @@
 
 rule evaluate:
     input:
-        code("evaluate", "lm"),
+        code(
+            "data/shards.py",
+            "model/balance.py",
+            "model/loss.py",
+            "atomic.py",
+            "errors.py",
+            "evaluate.py",
+            "launch.py",
+            "machine.py",
+            "params.py",
+            "paths.py",
+            "progress.py",
+        ),
         "models/final",
         "data/shards",
         "data/raw",
@@ -23,7 +35,15 @@ rule evaluate:
 
 rule report:
     input:
-        code("report"),
+        code(
+            "model/presets.py",
+            "atomic.py",
+            "errors.py",
+            "params.py",
+            "paths.py",
+            "progress.py",
+            "report.py",
+        ),
         "metrics/train.json",
         "metrics/eval.json",
         "reports/eval",

@@ -6,18 +6,19 @@
 rule train:
     input:
         code(
-            "train",
-            "launch",
-            "worker",
+            "data/shards.py",
             "model",
-            "balance",
-            "flops",
-            "dsconfig",
-            "lm",
-            "checkpoint",
-            "doctor",
-            "kernels",
-            "data",
+            "plan",
+            "train",
+            "atomic.py",
+            "doctor.py",
+            "dsconfig.py",
+            "errors.py",
+            "launch.py",
+            "machine.py",
+            "params.py",
+            "paths.py",
+            "progress.py",
         ),
         "data/shards",
         "data/tokenizer",
@@ -39,7 +40,17 @@ rule train:
 
 rule plan:
     input:
-        code("plan", "model", "flops"),
+        code(
+            "model/build.py",
+            "model/flops.py",
+            "model/presets.py",
+            "plan",
+            "atomic.py",
+            "dsconfig.py",
+            "errors.py",
+            "params.py",
+            "paths.py",
+        ),
         "data/shards",
     output:
         "reports/plan.json",

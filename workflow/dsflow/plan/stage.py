@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from dsflow.errors import UsageError
+from dsflow.paths import PLAN, shard_index
 
 GB = 10**9
 
@@ -143,7 +144,7 @@ def _fmt_gb(n: float) -> str:
 
 
 def _dims(config: Any) -> dict[str, int]:
-    from dsflow.model import _dims as model_dims
+    from dsflow.model.presets import _dims as model_dims
 
     return model_dims(config)
 
@@ -313,14 +314,14 @@ def estimate(
 ) -> dict[str, Any]:
     """Per-GPU (and host) bytes of training ``config`` with these settings; see the module doc.
 
-    ``fused_optimizer``: train.perf.optimizer fused (dsflow.masteradam, ZeRO-0 bf16), which
+    ``fused_optimizer``: train.perf.optimizer fused (dsflow.train.masteradam, ZeRO-0 bf16), which
     makes no fp32 gradient copies; DeepSpeed sees an fp32 model, so its all-reduce buckets hold
     the flattened bf16 gradients and an fp32 copy of them.
 
     ``bucket_sizes`` = (``reduce_bucket_size``, ``allgather_bucket_size``) in elements.
     ``gpu.total`` is the predicted peak (``max_memory_reserved`` + the fixed overhead).
     """
-    from dsflow.model import param_counts
+    from dsflow.model.presets import param_counts
 
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0..3, got {zero_stage!r}")
@@ -632,7 +633,7 @@ def cheapest_fit(
     optimizer offload; parameter offload (each memory layout retried with checkpointing and
     smaller micro batches); then smaller presets (one row each, its cheapest strategy).
     """
-    from dsflow.model import PRESETS, model_config, param_counts
+    from dsflow.model.presets import PRESETS, model_config, param_counts
 
     common = dict(seq_len=seq_len, world=world, precision=precision, bucket_sizes=bucket_sizes)
     common["overlap_comm"] = overlap_comm
@@ -876,8 +877,8 @@ def summary(
     the new checkpoint before pruning to ``keep_checkpoints``, so keep + 1 exist at the peak,
     plus the exported HF model (models/final, safetensors in the training dtype).
     """
-    from dsflow.flops import flops_per_token
-    from dsflow.model import param_counts
+    from dsflow.model.flops import flops_per_token
+    from dsflow.model.presets import param_counts
 
     counts = param_counts(config)
     P = counts["total"]
@@ -956,7 +957,7 @@ def _arg(args: Any, name: str) -> Any:
 
 
 def _index_vocab() -> int | None:
-    path = Path("data/shards/train/index.json")
+    path = shard_index("train")
     try:
         return int(json.loads(path.read_text())["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -1034,7 +1035,8 @@ def resolve(
     replace what this machine reports (the doctor passes its facts).
     """
     from dsflow import dsconfig
-    from dsflow.model import PRESETS, _load_checkpoint_config, model_config
+    from dsflow.model.build import load_checkpoint_config
+    from dsflow.model.presets import PRESETS, model_config
 
     train = params["train"]
     model = params["model"]
@@ -1064,14 +1066,14 @@ def resolve(
     vocab, vocab_source = _arg(args, "vocab"), "--vocab"
     config = None
     if vocab is None and pretrained and os.path.isdir(pretrained):
-        config = _load_checkpoint_config(pretrained)
+        config = load_checkpoint_config(pretrained)
         vocab, vocab_source = config.vocab_size, f"model.pretrained {pretrained}"
     elif pretrained:
         notes.append(
             f"model.pretrained {pretrained!r} is not a local directory: planned the preset"
         )
     if vocab is None:
-        vocab, vocab_source = _index_vocab(), "data/shards/train/index.json"
+        vocab, vocab_source = _index_vocab(), str(shard_index("train"))
     tok = params.get("tokenizer", {})
     if vocab is None and not _arg(args, "model") and not tok.get("pretrained"):
         # No shards yet: the tokenizer stage will train this many tokens (at most).
@@ -1284,12 +1286,9 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-REPORT = Path("reports/plan.json")
-
-
 def add_arguments(parser: Any) -> None:
     """Optional flags of `python -m dsflow plan` that override params for an ad-hoc query."""
-    from dsflow.model import PRESETS
+    from dsflow.model.presets import PRESETS
 
     parser.add_argument("--model", choices=list(PRESETS), metavar="PRESET", help="model preset")
     parser.add_argument("--gpus", type=int, metavar="N", help="GPUs (data-parallel ranks)")
@@ -1311,13 +1310,13 @@ def run(params: dict, args: Any = None) -> None:
 
     rep = report(params, args)
     print(format_report(rep))
-    with atomic_file(REPORT) as f:
+    with atomic_file(PLAN) as f:
         json.dump(rep, f, indent=2, sort_keys=True)
         f.write("\n")
 
 
 def fused_optimizer_wanted(train: dict, world: int) -> bool:
-    """train.perf.optimizer asks for dsflow's fused optimizer (dsflow.masteradam) where it can
+    """train.perf.optimizer asks for dsflow's fused optimizer (dsflow.train.masteradam) where it can
     run: `fused` on any number of GPUs, `auto` on one GPU (where it was measured faster than
     DeepSpeed's, docs/performance.md) unless a DeepSpeed config file of the user's is merged
     (train.ds_config: its settings are for DeepSpeed's optimizer); bf16, the optimizer on the

@@ -16,11 +16,9 @@ import pyarrow.parquet as pq
 
 from dsflow.atomic import atomic_dir, sha256_file, write_json
 from dsflow.errors import UsageError
+from dsflow.paths import SHARDS, TOKENIZER, TOKENS
 from dsflow.progress import bar, log
 
-TOKENS = Path("data/tokens")
-TOKENIZER = Path("data/tokenizer")
-OUT = Path("data/shards")
 SPLITS = ("train", "val")
 FORMAT_VERSION = 1
 
@@ -103,7 +101,7 @@ def run(params: dict) -> None:
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     vocab_size = len(tok)
     specials = {"eos_id": tok.eos_token_id, "bos_id": tok.bos_token_id, "pad_id": tok.pad_token_id}
-    with atomic_dir(OUT) as tmp:
+    with atomic_dir(SHARDS) as tmp:
         for split in SPLITS:
             index = shard_split(
                 TOKENS / f"{split}.parquet",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from dsflow.model import activated_matmul_params
+from dsflow.model.presets import activated_matmul_params
 
 
 def flops_per_token(config: Any, seq_len: int) -> int:

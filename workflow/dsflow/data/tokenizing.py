@@ -15,11 +15,9 @@ import pyarrow.compute as pc
 
 from dsflow.atomic import atomic_dir, write_json
 from dsflow.errors import UsageError
+from dsflow.paths import RAW, TOKENIZER, TOKENS
 from dsflow.progress import log
 
-RAW = Path("data/raw")
-TOKENIZER = Path("data/tokenizer")
-OUT = Path("data/tokens")
 SPLITS = ("train", "val")
 
 _tokenizer = None
@@ -85,7 +83,7 @@ def run(params: dict) -> None:
         raise UsageError(f"{TOKENIZER}/tokenizer.json: missing; run the tokenizer stage first")
     eos_id = AutoTokenizer.from_pretrained(TOKENIZER).eos_token_id
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    with atomic_dir(OUT) as tmp:
+    with atomic_dir(TOKENS) as tmp:
         cache = tmp / ".cache"
         cache.mkdir()
         meta = {"eos_id": eos_id, "splits": {}}
@@ -99,4 +97,4 @@ def run(params: dict) -> None:
             )
         shutil.rmtree(cache)
         write_json(tmp / "meta.json", meta)
-    log.info("tokenized -> %s", OUT)
+    log.info("tokenized -> %s", TOKENS)

@@ -12,10 +12,9 @@ import pyarrow.parquet as pq
 
 from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
+from dsflow.paths import RAW, TOKENIZER
 from dsflow.progress import bar, log
 
-RAW = Path("data/raw")
-OUT = Path("data/tokenizer")
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIALS = [BOS, EOS, PAD]
 N_BYTES = 256
@@ -95,6 +94,6 @@ def run(params: dict) -> None:
         n_docs = pq.ParquetFile(train_path).metadata.num_rows
         log.info("training byte-level BPE, vocab %d, on %d documents", cfg["vocab_size"], n_docs)
         tok = train_bpe(iter_texts(train_path), n_docs, cfg["vocab_size"], cfg["min_frequency"])
-    with atomic_dir(OUT) as tmp:
+    with atomic_dir(TOKENIZER) as tmp:
         tok.save_pretrained(tmp)
-    log.info("tokenizer with %d tokens -> %s", len(tok), OUT)
+    log.info("tokenizer with %d tokens -> %s", len(tok), TOKENIZER)

@@ -296,7 +296,7 @@ class ExpertBalancer:
     def update_async(self, group: Any = None, applied: Any = True) -> dict[str, Any]:
         """:meth:`update` without reading anything back from the device: returns the step's
         reduced counts and the largest |bias| as device tensors, for :meth:`stats_of` once they
-        are on the host (dsflow.readback). ``applied``: a bool, or a bool tensor on the device
+        are on the host (dsflow.train.metrics). ``applied``: a bool, or a bool tensor on the device
         (a fused optimizer that decides on the device whether it took the step); where it is
         false the biases stay."""
         if not self.routers:

@@ -19,9 +19,9 @@ import pyarrow.parquet as pq
 
 from dsflow.atomic import atomic_dir, sha256_file, write_json
 from dsflow.errors import UsageError
+from dsflow.paths import RAW
 from dsflow.progress import bar, log
 
-OUT = Path("data/raw")
 SPLITS = ("train", "val")
 ROW_GROUP_DOCS = 8192
 
@@ -32,7 +32,7 @@ def val_split(text: str, val_fraction: float) -> bool:
 
 
 def builtin_documents(cfg: dict, seed: int) -> Iterator[dict]:
-    from dsflow import grammar
+    from dsflow.data import grammar
 
     n = cfg["max_docs"]
     if n is None:
@@ -205,7 +205,7 @@ def run(params: dict) -> None:
     max_docs = cfg["max_docs"]
     max_bytes = cfg["max_bytes"]
 
-    with atomic_dir(OUT) as tmp:
+    with atomic_dir(RAW) as tmp:
         writer = SplitWriter(tmp, pa.schema(fields))
         n_docs = n_bytes = 0
         try:
@@ -233,7 +233,7 @@ def run(params: dict) -> None:
                 )
         manifest = {"source": source, "val_fraction": cfg["val_fraction"], "splits": {}}
         if source == "builtin":
-            from dsflow import grammar
+            from dsflow.data import grammar
 
             manifest.update(grammar_version=grammar.GRAMMAR_VERSION, seed=params["seed"])
         elif source == "hf":
@@ -260,7 +260,7 @@ def run(params: dict) -> None:
         "%d documents, %.1f MB -> %s (train %d, val %d)",
         n_docs,
         n_bytes / 1e6,
-        OUT,
+        RAW,
         stats["train"]["docs"],
         stats["val"]["docs"],
     )

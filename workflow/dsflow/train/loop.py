@@ -1,6 +1,6 @@
-"""One training rank: `python -m dsflow.worker` is what torchrun / the DeepSpeed launcher start.
+"""One training rank: `python -m dsflow.train.loop` is what torchrun / the DeepSpeed launcher start.
 
-The train stage (dsflow.train) resolves everything first and writes checkpoints/run.json; one
+The train stage (dsflow.train.stage) resolves everything first and writes checkpoints/run.json; one
 rank of node 0 reads that plan and hands it to every rank (shared_plan), so all ranks, on every
 node, agree on batch, steps and config. The loop is top to bottom here: build, resume, step
 (micro-batches -> DeepSpeed), balance experts, log, validate, checkpoint, export.
@@ -28,22 +28,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dsflow import checkpoint as ckpt
-from dsflow import dsconfig, fusedgrads, kernels, launch
+from dsflow import dsconfig, launch
 from dsflow.atomic import atomic_dir, atomic_file
-from dsflow.balance import ExpertBalancer
-from dsflow.data import BatchLoader, ShardReader
-from dsflow.flops import flops_per_token, mfu, peak_flops
-from dsflow.lm import TrainingLM, evaluate_loss
-from dsflow.masteradam import MasterAdamW
-from dsflow.model import build_model, model_config, param_counts
-from dsflow.readback import EventClock, Readback
-
-SHARDS = Path("data/shards")
-TOKENIZER = Path("data/tokenizer")
-FINAL = Path("models/final")
-METRICS = Path("metrics/train.json")
-LIVE_DIR = Path("dvclive")
+from dsflow.data.shards import BatchLoader, ShardReader
+from dsflow.model import fastpaths as kernels
+from dsflow.model.balance import ExpertBalancer
+from dsflow.model.build import build_model
+from dsflow.model.flops import flops_per_token, mfu, peak_flops
+from dsflow.model.loss import TrainingLM, evaluate_loss
+from dsflow.model.presets import model_config, param_counts
+from dsflow.paths import FINAL, LIVE, PROFILE, SHARDS, TOKENIZER, TRAIN_METRICS
+from dsflow.train import checkpoint as ckpt
+from dsflow.train import fusedgrads
+from dsflow.train.masteradam import MasterAdamW
+from dsflow.train.metrics import EventClock, Readback
 
 EXIT_FATAL = 3  # a one-line reason is in DSFLOW_STATUS_FILE (the train stage prints it)
 EXIT_STOPPED = 143  # stopped on request (SIGTERM / SIGINT / checkpoints/.stop), checkpoint saved
@@ -122,10 +120,8 @@ class Logger:
             dvclive.live.get_dvc_repo = lambda: None
 
         if resumed:
-            truncate_live_logs(LIVE_DIR, start)
-        self.live = Live(
-            str(LIVE_DIR), resume=resumed, save_dvc_exp=False, dvcyaml=None, report=None
-        )
+            truncate_live_logs(LIVE, start)
+        self.live = Live(str(LIVE), resume=resumed, save_dvc_exp=False, dvcyaml=None, report=None)
         if "data" in getattr(self.live, "_studio_events_to_skip", ()):
             # DVCLive 3.49 gathers data for DVC Studio at every step even when Studio is not
             # set up (and drops it later): it re-reads every metric's whole TSV, so each step
@@ -323,7 +319,7 @@ class StepProfiler:
         if rank != 0 or not spec:
             return cls(None, None, "", device_type)
         first, last, *rest = spec.split(":", 2)
-        return cls(int(first), int(last), rest[0] if rest else "logs/profile.txt", device_type)
+        return cls(int(first), int(last), rest[0] if rest else str(PROFILE), device_type)
 
     def step_begins(self, step: int) -> None:
         if step != self.first:
@@ -1093,7 +1089,7 @@ def write_metrics(history, plan, counts, val_loss, train_loss, wall_s, hardware)
         "wall_s": wall_s,
         **hardware,
     }
-    with atomic_file(METRICS) as f:
+    with atomic_file(TRAIN_METRICS) as f:
         json.dump(metrics, f, indent=2, sort_keys=True)
         f.write("\n")
 

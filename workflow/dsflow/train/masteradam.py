@@ -15,7 +15,7 @@ pointers), scales it, updates master and moments and writes the bf16 weight: 28 
 parameter, the same as fp32 Adam alone. The gradient norm is one multi-tensor launch
 (`_foreach_norm`, fp32). It runs under DeepSpeed at ZeRO-0 as a client optimizer, with
 DeepSpeed's bf16 wrapper and gradient clipping off (this class clips, from the same norm),
-selected by `train.perf.optimizer` (`fused`; `auto` on one GPU: dsflow.kernels).
+selected by `train.perf.optimizer` (`fused`; `auto` on one GPU: dsflow.model.fastpaths).
 
 On one H200 its first version, one launch per tensor (~250 a MoE step), made the MoE step
 slower than DeepSpeed's ZeRO-1 (2.15x its baseline against 2.38x); this one-launch version

@@ -34,8 +34,8 @@ from pathlib import Path
 
 from dsflow.atomic import atomic_file, fsync_dir
 from dsflow.errors import UsageError
+from dsflow.paths import CHECKPOINTS
 
-CHECKPOINTS = Path("checkpoints")
 TAG_PREFIX = "step"
 TEMP_PREFIX = ".tmp-"
 MANIFEST = "dsflow_checkpoint.json"

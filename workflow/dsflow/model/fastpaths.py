@@ -13,11 +13,11 @@
   apart). On a GPU that gives one graph per layer with `experts: sorted` in bf16 (in other
   dtypes they run eagerly between the graphs: see sorted_experts_forward); HF's grouped_mm
   experts still end a graph at each expert GEMM there. On by default (ignored without compile).
-- `ce_chunk`: the lm_head + cross-entropy fused over token chunks (dsflow.lm), so the
+- `ce_chunk`: the lm_head + cross-entropy fused over token chunks (dsflow.model.loss), so the
   [tokens x vocab] logits are never held in full. Not with fp16: its gradients are formed
   before the dynamic loss scale, and small ones would underflow (bf16 has fp32's range).
 - `fused_grad_checks`: DeepSpeed's gradient overflow check and norm in a few multi-tensor
-  launches instead of ~10 per tensor (dsflow.fusedgrads; ZeRO-1/2 without CPU offload).
+  launches instead of ~10 per tensor (dsflow.train.fusedgrads; ZeRO-1/2 without CPU offload).
   `auto` turns it on for CUDA in bf16/fp32 where it fits: 1.4x the dense step on one H200
   (docs/performance.md). fp16 (dynamic loss scaling) is untested, so there it stays opt-in.
 - `experts: sorted`: the routed experts as two grouped GEMMs over the tokens sorted by expert,
@@ -29,14 +29,14 @@
   the k weighted outputs as HF. `auto` = sorted on CUDA in bf16 at ZeRO-0/1/2 (HF's
   experts elsewhere, and on a GPU below SM80 or for another experts layout), HF's on CPU:
   with the hooks traced, 1.16x the MoE step on one H200 (docs/performance.md).
-- `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.masteradam) instead of
+- `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.train.masteradam) instead of
   DeepSpeed's bf16 optimizer wrapper: one pass over memory for the whole step, no copies of
   the gradients into fp32 buffers, and no host sync (it skips a non-finite step on the device).
   ZeRO-0 in bf16 only (it partitions nothing; `zero_stage: auto` picks ZeRO-0 where it is
   wanted). `auto` = fused on one GPU: 109.2 against 130.5 ms for DeepSpeed's ZeRO-1 MoE step
   on one H200 (docs/performance.md); DeepSpeed's on several GPUs (unmeasured there) and CPU.
 - `async_metrics`: each step's numbers (loss, gradient norm, expert counts, memory, the stop
-  flag) are read back one step late (dsflow.readback), so the host queues the next step
+  flag) are read back one step late (dsflow.train.metrics), so the host queues the next step
   while the GPU finishes this one instead of waiting for it: 104.0 -> 89.2 ms for the MoE
   step on one H200. `auto` = on for CUDA.
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
@@ -78,8 +78,10 @@ class Perf:
     compile_router_hooks: bool = True  # trace the balancer's router hooks into the graphs
     # experts: auto chose sorted: keep HF's experts where sorted does not apply, not an error
     experts_fallback: bool = False
-    optimizer: str = "deepspeed"  # "deepspeed" | "fused" (dsflow.masteradam, ZeRO-0 bf16)
-    async_metrics: bool = False  # each step's numbers read back one step late (dsflow.readback)
+    optimizer: str = "deepspeed"  # "deepspeed" | "fused" (dsflow.train.masteradam, ZeRO-0 bf16)
+    async_metrics: bool = (
+        False  # each step's numbers read back one step late (dsflow.train.metrics)
+    )
 
     @property
     def hooks_traced(self) -> bool:
@@ -404,7 +406,7 @@ def _sorted_experts_refusal(model: Any) -> str | None:
 
 def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> Perf:
     """Everything in `perf` that acts on the model itself (not the loss or the data); with
-    `compile_router_hooks`, the expert balancer's router hooks (dsflow.balance) go into the
+    `compile_router_hooks`, the expert balancer's router hooks (dsflow.model.balance) go into the
     compiled graphs, counting on `device` (the training device; None: the model's). Returns
     `perf` as applied: `experts` is HF's where `auto`'s sorted experts did not apply."""
     use_attention(model, perf.attention)

@@ -31,15 +31,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dsflow import checkpoint as ckpt
-from dsflow import dsconfig
+from dsflow import dsconfig, machine
 from dsflow import launch as launcher
 from dsflow.atomic import write_json
-from dsflow.data import load_index
+from dsflow.data.shards import load_index
 from dsflow.errors import UsageError
+from dsflow.paths import SHARDS
 from dsflow.progress import log
+from dsflow.train import checkpoint as ckpt
 
-SHARDS = Path("data/shards")
+
+# What each rank runs (torchrun -m / the DeepSpeed launcher --module).
+RANK_MODULE = "dsflow.train.loop"
 
 
 class Interrupted(UsageError):
@@ -50,28 +53,6 @@ class Interrupted(UsageError):
         self.exit_code = exit_code
 
 
-def resolve_device(train: dict) -> tuple[str, int]:
-    """(device type, ranks per node); asking for GPUs that do not exist is an error."""
-    import torch
-
-    want, gpus = train["device"], train["gpus"]
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if want == "cuda" and visible == 0:
-        raise UsageError(
-            "train.device: cuda, but no CUDA GPU is visible (check nvidia-smi and "
-            "CUDA_VISIBLE_DEVICES, or set train.device: cpu)"
-        )
-    device = "cuda" if want == "cuda" or (want == "auto" and visible > 0) else "cpu"
-    if gpus == "auto":
-        return device, (visible if device == "cuda" else 1)
-    if device == "cuda" and gpus > visible:
-        raise UsageError(
-            f"train.gpus: {gpus} GPUs requested but {visible} visible; set train.gpus: {visible} "
-            "(or auto), and adjust grad_accum to keep the global batch"
-        )
-    return device, gpus
-
-
 def vocab_size() -> int:
     index = load_index(SHARDS / "train", verify=False)
     return index["vocab_size"]
@@ -80,9 +61,9 @@ def vocab_size() -> int:
 def check_pretrained_vocab(pretrained: str | None, vocab: int) -> None:
     if not pretrained:
         return
-    from dsflow.model import _load_checkpoint_config
+    from dsflow.model.build import load_checkpoint_config
 
-    config = _load_checkpoint_config(pretrained)
+    config = load_checkpoint_config(pretrained)
     if config.vocab_size != vocab:
         raise UsageError(
             f"model.pretrained: {pretrained} has vocab_size {config.vocab_size} but the "
@@ -92,14 +73,14 @@ def check_pretrained_vocab(pretrained: str | None, vocab: int) -> None:
 
 def plan_run(params: dict) -> dict:
     train = params["train"]
-    device, local_ranks = resolve_device(train)
+    device, local_ranks = machine.resolve_device(train)
     world = local_ranks * train["nodes"]
     batch = dsconfig.resolve_batch(
         train["micro_batch"], train["grad_accum"], train["global_batch"], world
     )
     steps = dsconfig.total_steps(train, batch)
     vocab = vocab_size()
-    from dsflow.model import model_config
+    from dsflow.model.presets import model_config
 
     model_config(params["model"]["preset"], vocab, params["model"]["overrides"])
     check_pretrained_vocab(params["model"]["pretrained"], vocab)
@@ -111,7 +92,7 @@ def plan_run(params: dict) -> dict:
     ds_config = built = dsconfig.build(train, batch, steps, device)
     if train["ds_config"]:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
-    from dsflow import kernels
+    from dsflow.model import fastpaths as kernels
 
     # Decided once, here (impossible settings fail in one line); the ranks read it from the plan.
     perf = kernels.resolve(
@@ -149,25 +130,8 @@ def plan_run(params: dict) -> dict:
     }
 
 
-free_port = launcher.free_port
-torchrun_command = launcher.torchrun_command
-
-
 def launch_command(plan: dict, nodes: launcher.Nodes) -> list[str]:
-    return launcher.command(plan["params"]["train"], plan["local_ranks"], nodes)
-
-
-def launch_env(plan: dict) -> dict:
-    env = dict(os.environ)
-    local = plan.get("local_ranks", plan["world"])
-    env["DSFLOW_DEVICE"] = plan["device"]
-    if plan["device"] == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        # Ranks share the cores: more threads than cores would make every rank slower.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return env
+    return launcher.command(plan["params"]["train"], plan["local_ranks"], nodes, RANK_MODULE)
 
 
 def _run_json(root: Path) -> dict:
@@ -329,7 +293,7 @@ def resolve_zero(params: dict, world: int, device: str) -> dict:
     optimizer, then of the parameters); params with it set."""
     if params["train"]["zero_stage"] != "auto":
         return params
-    from dsflow import plan as planner
+    from dsflow.plan import stage as planner
 
     params = copy.deepcopy(params)
     stage, opt, par, why = planner.auto_layout(params, world, device)
@@ -349,7 +313,7 @@ def preflight(params: dict, plan: dict) -> dict:
     """The doctor's blockers and the planner's verdict, before any rank starts; returns the
     NCCL settings the machine needs (e.g. NCCL_P2P_DISABLE=1 on cards without peer access)."""
     from dsflow import doctor
-    from dsflow import plan as planner
+    from dsflow.plan import stage as planner
 
     facts = doctor.gather_facts(".")
     fails = [c for c in doctor.diagnose(facts, params) if c.status == doctor.FAIL]
@@ -422,7 +386,7 @@ class SignalForwarder:
 
 
 def run(params: dict) -> None:
-    device, local_ranks = resolve_device(params["train"])
+    device, local_ranks = machine.resolve_device(params["train"])
     auto = params["train"]["zero_stage"] == "auto"
     params = resolve_zero(params, local_ranks * params["train"]["nodes"], device)
     plan = plan_run(params)
@@ -507,7 +471,7 @@ def _run_locked(plan: dict, nccl: dict, nodes: launcher.Nodes, lock: ckpt.RunLoc
     )
     status_dir = Path(tempfile.mkdtemp(prefix="dsflow-train-"))
     status_file = status_dir / "status"
-    env = {**launch_env(plan), **nccl, "DSFLOW_STATUS_FILE": str(status_file)}
+    env = {**launcher.launch_env(plan), **nccl, "DSFLOW_STATUS_FILE": str(status_file)}
     # Node 0's ranks hand run.json to every rank; the others check it against their own plan
     # (worker.shared_plan).
     if nodes.leader:

@@ -1,0 +1,38 @@
+"""Every run-directory path, named once. Paths are relative to the project folder (the stages run
+there); dvc.yaml and the Snakefile declare the same outputs (tests/test_frontends.py checks it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Data stages: download -> tokenizer -> tokenize -> shard.
+RAW = Path("data/raw")
+MANIFEST = RAW / "manifest.json"
+TOKENIZER = Path("data/tokenizer")
+TOKENS = Path("data/tokens")
+SHARDS = Path("data/shards")
+
+# plan -> train -> evaluate -> report.
+PLAN = Path("reports/plan.json")
+CHECKPOINTS = Path("checkpoints")
+FINAL = Path("models/final")
+LIVE = Path("dvclive")
+TRAIN_METRICS = Path("metrics/train.json")
+EVAL_METRICS = Path("metrics/eval.json")
+EVAL_DETAILS = Path("reports/eval")
+REPORT_HTML = Path("reports/report.html")
+REPORT_MD = Path("reports/report.md")
+FIGURES = Path("reports/figures")
+LOGS = Path("logs")
+PROFILE = LOGS / "profile.txt"
+
+
+def shard_index(split: str) -> Path:
+    """The index of one split's shards (train or val)."""
+    return SHARDS / split / "index.json"
+
+
+def export_dir(tag: str) -> Path:
+    """Where `dsflow export` writes a checkpoint's HF model unless --out says otherwise."""
+    return Path(f"models/export-{tag}")
