@@ -40,7 +40,6 @@ from dsflow.paths import SHARDS
 from dsflow.progress import log
 from dsflow.train import checkpoint as ckpt
 
-
 # What each rank runs (torchrun -m / the DeepSpeed launcher --module).
 RANK_MODULE = "dsflow.train.loop"
 
