@@ -18,7 +18,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
 from dsflow.paths import TOKENIZER, export_dir
 from dsflow.train import checkpoint as ckpt
@@ -46,10 +45,10 @@ def consolidated_state_dict(root: Path, tag: str) -> dict[str, Any]:
 
 def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> Path:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from dsflow.model.balance import find_routers
-    from dsflow.model.build import load_checkpoint_config
+    from dsflow.model.build import load_checkpoint_config, save_hf
     from dsflow.model.presets import model_config
 
     try:
@@ -76,9 +75,7 @@ def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> P
         net.to(torch.bfloat16)
         for _, router in find_routers(net):  # the routing bias stays fp32 (see balance.py)
             router.e_score_correction_bias.data = router.e_score_correction_bias.data.float()
-    with atomic_dir(out) as tmp:
-        net.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp)
+    save_hf(net, out, TOKENIZER)
     return out
 
 

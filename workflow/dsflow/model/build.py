@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any
 
+from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
 
 
@@ -115,3 +116,14 @@ def load_checkpoint_config(pretrained: str) -> Any:
         raise UsageError(
             f"cannot read config of pretrained checkpoint {pretrained!r}: {detail}"
         ) from None
+
+
+def save_hf(module: Any, out: str | os.PathLike, tokenizer: str | os.PathLike, state_dict=None):
+    """An HF model folder (what `AutoModelForCausalLM.from_pretrained` loads), written atomically:
+    the module's config and weights as safetensors, in the module's dtype, and the tokenizer.
+    ``state_dict`` replaces the module's own weights (ZeRO-3 gathers them from every rank)."""
+    from transformers import AutoTokenizer
+
+    with atomic_dir(out) as tmp:
+        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)

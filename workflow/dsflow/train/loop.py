@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from dsflow import dsconfig, launch
-from dsflow.atomic import atomic_dir, atomic_file
+from dsflow.atomic import atomic_file
 from dsflow.data.shards import BatchLoader, ShardReader
 from dsflow.model import fastpaths as kernels
 from dsflow.model.balance import ExpertBalancer
-from dsflow.model.build import build_model
+from dsflow.model.build import build_model, save_hf
 from dsflow.model.flops import flops_per_token, mfu, peak_flops
 from dsflow.model.loss import TrainingLM, evaluate_loss
 from dsflow.model.presets import model_config, param_counts
@@ -1015,7 +1015,7 @@ def main() -> int:
     if rank == 0:
         if logger:
             logger.close()
-        export(model, weights)
+        save_hf(model, FINAL, TOKENIZER, weights)
         zero = ds_config["zero_optimization"]
         hardware = {
             "device_name": device_name,
@@ -1042,19 +1042,6 @@ def main() -> int:
         )
     dist.barrier()
     return 0
-
-
-def export(module, state_dict: dict | None = None) -> None:
-    """models/final in HF format: what `AutoModelForCausalLM.from_pretrained` loads.
-
-    The weights are the trained module's, in its dtype (fp32 for precision fp32, bf16 for bf16,
-    fp16 for fp16), the same for every ZeRO stage: under ZeRO-3 `state_dict` holds them
-    gathered from all ranks (engine._zero3_consolidated_16bit_state_dict, layer by layer)."""
-    from transformers import AutoTokenizer
-
-    with atomic_dir(FINAL) as tmp:
-        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp)
 
 
 def write_metrics(history, plan, counts, val_loss, train_loss, wall_s, hardware) -> None:
