@@ -1,24 +1,26 @@
 """Stage `report`: everything about a run on one page -> reports/report.{html,md} + figures/.
 
-The HTML is self-contained (figures embedded as data URIs); the Markdown holds the same content
-and links the PNGs in reports/figures/. A comparison section diffs params and metrics against
-the previous committed run (read from git).
+The Markdown links the PNGs in reports/figures/; the HTML is that Markdown rendered by
+markdown-it, self-contained (figures embedded as data URIs). A comparison section diffs params and
+metrics against the previous committed run (read from git).
 """
 
 from __future__ import annotations
 
 import base64
-import html
 import json
 import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import yaml
+from markdown_it import MarkdownIt
 
-from dsflow.atomic import atomic_dir
+from dsflow.atomic import atomic_dir, atomic_file
 from dsflow.errors import UsageError
+from dsflow.model.presets import describe, model_config
 from dsflow.params import flatten
 from dsflow.paths import (
     EVAL_DETAILS,
@@ -132,74 +134,97 @@ def predicted_memory_gb(train: dict) -> float | None:
     return allocated / 1e9 if allocated else None
 
 
-def figure_pngs(train: dict, eval_details: Path) -> dict[str, str]:
-    """Plots as {name: path}; written into the temp figure dir by the caller."""
-    import matplotlib
+def new_axes(height: float):
+    """A 7-inch-wide figure and its axes, drawn off-screen (no pyplot, no display)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig = Figure(figsize=(7, height))
+    return fig, fig.subplots()
 
-    figs = {}
-    tokens_per_step = train["tokens"] / train["step"] if train.get("step") else 1
 
-    def save(name, fig):
-        figs[name] = fig
+def loss_figure(tokens_per_step: float):
+    steps, loss = read_tsv("train/loss")
+    if not steps:
+        return None
+    val_steps, val_loss = read_tsv("val/loss")
+    fig, ax = new_axes(3.5)
+    ax.plot([s * tokens_per_step for s in steps], loss, label="train")
+    if val_steps:
+        ax.plot([s * tokens_per_step for s in val_steps], val_loss, "o-", label="val")
+    ax.set(xlabel="tokens", ylabel="loss (nats/token)", title="Loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
 
-    s, loss = read_tsv("train/loss")
-    vs, vloss = read_tsv("val/loss")
-    if s:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.plot([x * tokens_per_step for x in s], loss, label="train")
-        if vs:
-            ax.plot([x * tokens_per_step for x in vs], vloss, "o-", label="val")
-        ax.set(xlabel="tokens", ylabel="loss (nats/token)", title="Loss")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        save("loss", fig)
-    s, lr = read_tsv("train/lr")
-    if s:
-        fig, ax = plt.subplots(figsize=(7, 2.5))
-        ax.plot(s, lr)
-        ax.set(xlabel="step", ylabel="lr", title="Learning rate")
-        ax.grid(alpha=0.3)
-        save("lr", fig)
-    s, tps = read_tsv("perf/tokens_per_s")
-    if s:
-        fig, ax = plt.subplots(figsize=(7, 3))
-        ax.plot(s, tps, label="tokens/s")
-        ax.set(xlabel="step", ylabel="tokens/s", title="Throughput")
-        ms, mfu = read_tsv("perf/mfu")
-        if ms:
-            ax2 = ax.twinx()
-            ax2.plot(ms, [100 * m for m in mfu], color="tab:orange", label="MFU %")
-            ax2.set_ylabel("MFU %")
-        ax.grid(alpha=0.3)
-        save("throughput", fig)
+
+def lr_figure():
+    steps, lr = read_tsv("train/lr")
+    if not steps:
+        return None
+    fig, ax = new_axes(2.5)
+    ax.plot(steps, lr)
+    ax.set(xlabel="step", ylabel="lr", title="Learning rate")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def throughput_figure():
+    steps, tokens_per_s = read_tsv("perf/tokens_per_s")
+    if not steps:
+        return None
+    fig, ax = new_axes(3)
+    ax.plot(steps, tokens_per_s, label="tokens/s")
+    ax.set(xlabel="step", ylabel="tokens/s", title="Throughput")
+    mfu_steps, mfu = read_tsv("perf/mfu")
+    if mfu_steps:
+        mfu_ax = ax.twinx()
+        mfu_ax.plot(mfu_steps, [100 * m for m in mfu], color="tab:orange", label="MFU %")
+        mfu_ax.set_ylabel("MFU %")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def memory_figure(train: dict):
     memory = train.get("peak_memory_gb_per_rank") or []
-    if memory:
-        fig, ax = plt.subplots(figsize=(7, 2.8))
-        ax.bar([f"rank {i}" for i in range(len(memory))], memory, label="measured")
-        predicted = predicted_memory_gb(train)
-        if predicted:
-            ax.axhline(predicted, color="tab:red", ls="--", label=f"planned {predicted:.2f} GB")
-            ax.legend()
-        what = "allocated" if train.get("device") == "cuda" else "host RSS"
-        ax.set(ylabel="GB", title=f"Peak memory per rank ({what})")
-        save("memory", fig)
-    load = read_json(eval_details / "expert_load.json")
-    if load:
-        import numpy as np
+    if not memory:
+        return None
+    fig, ax = new_axes(2.8)
+    ax.bar([f"rank {i}" for i in range(len(memory))], memory, label="measured")
+    predicted = predicted_memory_gb(train)
+    if predicted:
+        ax.axhline(predicted, color="tab:red", ls="--", label=f"planned {predicted:.2f} GB")
+        ax.legend()
+    what = "allocated" if train.get("device") == "cuda" else "host RSS"
+    ax.set(ylabel="GB", title=f"Peak memory per rank ({what})")
+    return fig
 
-        layers = sorted(load, key=int)
-        grid = np.array([load[k]["load"] for k in layers], dtype=float)
-        grid = grid / grid.mean(axis=1, keepdims=True)
-        fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(layers)))
-        im = ax.imshow(grid, aspect="auto", cmap="viridis")
-        ax.set(xlabel="expert", ylabel="MoE layer", title="Expert load on val (1 = even)")
-        ax.set_yticks(range(len(layers)), layers)
-        fig.colorbar(im, ax=ax)
-        save("expert_load", fig)
-    return figs
+
+def expert_load_figure(eval_details: Path):
+    load = read_json(eval_details / "expert_load.json")
+    if not load:
+        return None
+    layers = sorted(load, key=int)
+    grid = np.array([load[k]["load"] for k in layers], dtype=float)
+    grid = grid / grid.mean(axis=1, keepdims=True)
+    fig, ax = new_axes(0.5 + 0.45 * len(layers))
+    image = ax.imshow(grid, aspect="auto", cmap="viridis")
+    ax.set(xlabel="expert", ylabel="MoE layer", title="Expert load on val (1 = even)")
+    ax.set_yticks(range(len(layers)), layers)
+    fig.colorbar(image, ax=ax)
+    return fig
+
+
+def figures(train: dict, eval_details: Path) -> dict:
+    """The plots there is data for, as {name: matplotlib Figure}, in report order."""
+    tokens_per_step = train["tokens"] / train["step"] if train.get("step") else 1
+    drawn = {
+        "loss": loss_figure(tokens_per_step),
+        "lr": lr_figure(),
+        "throughput": throughput_figure(),
+        "memory": memory_figure(train),
+        "expert_load": expert_load_figure(eval_details),
+    }
+    return {name: fig for name, fig in drawn.items() if fig is not None}
 
 
 def md_table(rows: list[list], header: list[str]) -> str:
@@ -225,66 +250,71 @@ def stage_times() -> list[list]:
     return rows
 
 
-def build_markdown(params, train, evalm, details, prov, comparison, figure_names) -> str:
-    from dsflow.model.presets import describe, model_config
-
-    manifest = read_json(MANIFEST)
-    index = read_json(shard_index("train"))
-    parts = ["# dsflow run report", ""]
-    parts += ["## Provenance", ""]
-    parts.append(
-        f"- git commit: `{prov['commit']}`" + (" (dirty working tree)" if prov["dirty"] else "")
-    )
-    parts.append("")
-    parts.append(md_table([[k, v] for k, v in prov["hardware"].items()], ["hardware", "value"]))
-    parts += [
+def provenance_section(prov: dict) -> list[str]:
+    dirty = " (dirty working tree)" if prov["dirty"] else ""
+    return [
+        "## Provenance",
+        "",
+        f"- git commit: `{prov['commit']}`{dirty}",
+        "",
+        md_table([[k, v] for k, v in prov["hardware"].items()], ["hardware", "value"]),
         "",
         md_table([[k, v] for k, v in prov["versions"].items()], ["package", "version"]),
         "",
     ]
-    vocab = index.get("vocab_size", 0)
-    model_line = params["model"]["preset"]
+
+
+def model_section(params: dict, train: dict) -> list[str]:
+    model = params["model"]
+    vocab = read_json(shard_index("train")).get("vocab_size", 0)
+    line = model["preset"]
     if vocab:
-        model_line = describe(
-            model_config(params["model"]["preset"], vocab, params["model"]["overrides"])
-        )
-    parts += [
+        line = describe(model_config(model["preset"], vocab, model["overrides"]))
+    return [
         "## Model",
         "",
-        f"- {model_line}",
+        f"- {line}",
         f"- total parameters: {train.get('params_total', 0):,}; activated per token: "
         f"{train.get('params_activated', 0):,}",
         "",
     ]
-    parts += ["## Data", ""]
+
+
+def data_section() -> list[str]:
+    manifest = read_json(MANIFEST)
     rows = [["source", manifest.get("source")]]
     for split in ("train", "val"):
-        sp = manifest.get("splits", {}).get(split, {})
-        idx = read_json(shard_index(split))
+        docs = manifest.get("splits", {}).get(split, {})
+        tokens = read_json(shard_index(split)).get("tokens", "-")
         rows.append(
             [
                 f"{split}: documents / bytes / tokens",
-                f"{sp.get('docs', '-')} / {sp.get('bytes', '-')} / {idx.get('tokens', '-')}",
+                f"{docs.get('docs', '-')} / {docs.get('bytes', '-')} / {tokens}",
             ]
         )
     if "entropy_bits_per_byte" in manifest:
         rows.append(["entropy floor (bits/byte)", f"{manifest['entropy_bits_per_byte']:.4f}"])
-    parts += [md_table(rows, ["", "value"]), ""]
-    parts += ["## Training", ""]
-    keys = [
-        "step",
-        "tokens",
-        "train_loss",
-        "val_loss",
-        "tokens_per_s",
-        "mfu",
-        "step_s",
-        "data_wait_frac",
-        "peak_memory_gb_per_rank",
-        "experts_max_over_mean",
-        "wall_s",
-    ]
-    parts += [md_table([[k, fmt(train.get(k))] for k in keys], ["metric", "value"]), ""]
+    return ["## Data", "", md_table(rows, ["", "value"]), ""]
+
+
+TRAINING_KEYS = (
+    "step",
+    "tokens",
+    "train_loss",
+    "val_loss",
+    "tokens_per_s",
+    "mfu",
+    "step_s",
+    "data_wait_frac",
+    "peak_memory_gb_per_rank",
+    "experts_max_over_mean",
+    "wall_s",
+)
+
+
+def training_section(train: dict, figure_names: list[str]) -> list[str]:
+    parts = ["## Training", ""]
+    parts += [md_table([[k, fmt(train.get(k))] for k in TRAINING_KEYS], ["metric", "value"]), ""]
     predicted = predicted_memory_gb(train)
     if predicted:
         rows = [
@@ -299,21 +329,24 @@ def build_markdown(params, train, evalm, details, prov, comparison, figure_names
         ]
     for name in figure_names:
         parts += [f"![{name}](figures/{name}.png)", ""]
-    parts += ["## Evaluation", ""]
-    parts += [
-        md_table(
-            [[k, fmt(v)] for k, v in sorted(evalm.items()) if k != "lm_eval"], ["metric", "value"]
-        ),
-        "",
-    ]
+    return parts
+
+
+def evaluation_section(evalm: dict) -> list[str]:
+    rows = [[k, fmt(v)] for k, v in sorted(evalm.items()) if k != "lm_eval"]
+    parts = ["## Evaluation", "", md_table(rows, ["metric", "value"]), ""]
     if "gap_bpb" in evalm:
         parts += [
             f"The model is {evalm['gap_bpb']:.4f} bits/byte above the corpus's true entropy "
             f"({evalm['ratio_to_floor']:.2f}x the floor).",
             "",
         ]
-    parts += ["## Samples", ""]
-    for s in read_json_list(details / "samples.json"):
+    return parts
+
+
+def samples_section(eval_details: Path) -> list[str]:
+    parts = ["## Samples", ""]
+    for s in read_json_list(eval_details / "samples.json"):
         parts += [
             f"**Prompt:** `{s['prompt']}`",
             "",
@@ -321,48 +354,73 @@ def build_markdown(params, train, evalm, details, prov, comparison, figure_names
             f"- sampled: {s['sampled']!r}",
             "",
         ]
+    return parts
+
+
+def stage_times_section() -> list[str]:
     times = stage_times()
-    if times:
-        parts += ["## Wall time per stage", "", md_table(times, ["stage", "seconds"]), ""]
-    parts += ["## Comparison with the previous committed run", ""]
+    if not times:
+        return []
+    return ["## Wall time per stage", "", md_table(times, ["stage", "seconds"]), ""]
+
+
+def metric_changes(old_metrics: dict, train: dict, evalm: dict) -> list[list]:
+    """[metric, before, now, change] for every number in metrics/{train,eval}.json."""
+    rows = []
+    for f, now in ((str(TRAIN_METRICS), train), (str(EVAL_METRICS), evalm)):
+        before = old_metrics.get(f, {})
+        for k in sorted(set(now) | set(before)):
+            a, b = before.get(k), now.get(k)
+            if (
+                isinstance(a, (int, float))
+                and isinstance(b, (int, float))
+                and not isinstance(a, bool)
+            ):
+                rows.append([f"{Path(f).stem}.{k}", fmt(a), fmt(b), f"{b - a:+.4g}"])
+    return rows
+
+
+def comparison_section(params: dict, train: dict, evalm: dict, comparison) -> list[str]:
+    parts = ["## Comparison with the previous committed run", ""]
     if comparison is None:
-        parts += ["No earlier committed run with different metrics.", ""]
-    else:
-        commit, old_metrics, old_params = comparison
-        parts.append(f"Against commit `{commit[:12]}`.")
-        parts.append("")
-        new_flat, old_flat = flatten(params), flatten(old_params)
-        changed = [
-            [k, fmt(old_flat.get(k)), fmt(new_flat.get(k))]
-            for k in sorted(set(new_flat) | set(old_flat))
-            if new_flat.get(k) != old_flat.get(k)
-        ]
-        parts += [
-            "Params changed:",
-            "",
-            md_table(changed, ["param", "before", "now"]) if changed else "none",
-            "",
-        ]
-        rows = []
-        for f, now in ((str(TRAIN_METRICS), train), (str(EVAL_METRICS), evalm)):
-            before = old_metrics.get(f, {})
-            for k in sorted(set(now) | set(before)):
-                a, b = before.get(k), now.get(k)
-                if (
-                    isinstance(a, (int, float))
-                    and isinstance(b, (int, float))
-                    and not isinstance(a, bool)
-                ):
-                    delta = b - a
-                    rows.append([f"{Path(f).stem}.{k}", fmt(a), fmt(b), f"{delta:+.4g}"])
-        parts += [md_table(rows, ["metric", "before", "now", "change"]), ""]
-    parts += [
-        "## Params",
+        return parts + ["No earlier committed run with different metrics.", ""]
+    commit, old_metrics, old_params = comparison
+    new_flat, old_flat = flatten(params), flatten(old_params)
+    changed = [
+        [k, fmt(old_flat.get(k)), fmt(new_flat.get(k))]
+        for k in sorted(set(new_flat) | set(old_flat))
+        if new_flat.get(k) != old_flat.get(k)
+    ]
+    rows = metric_changes(old_metrics, train, evalm)
+    return parts + [
+        f"Against commit `{commit[:12]}`.",
         "",
-        "```yaml",
-        yaml.safe_dump(params, sort_keys=False).rstrip(),
-        "```",
+        "Params changed:",
         "",
+        md_table(changed, ["param", "before", "now"]) if changed else "none",
+        "",
+        md_table(rows, ["metric", "before", "now", "change"]),
+        "",
+    ]
+
+
+def params_section(params: dict) -> list[str]:
+    return ["## Params", "", "```yaml", yaml.safe_dump(params, sort_keys=False).rstrip(), "```", ""]
+
+
+def build_markdown(params, train, evalm, details, prov, comparison, figure_names) -> str:
+    parts = [
+        "# dsflow run report",
+        "",
+        *provenance_section(prov),
+        *model_section(params, train),
+        *data_section(),
+        *training_section(train, figure_names),
+        *evaluation_section(evalm),
+        *samples_section(details),
+        *stage_times_section(),
+        *comparison_section(params, train, evalm, comparison),
+        *params_section(params),
     ]
     return "\n".join(parts)
 
@@ -371,66 +429,37 @@ def read_json_list(path: Path) -> list:
     return json.loads(path.read_text()) if path.exists() else []
 
 
+# Raw HTML off: sample text and params are shown as text, never run as markup.
+MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
+STYLE = (
+    "body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em;"
+    "color:#222}table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;"
+    "padding:3px 8px;text-align:left}th{background:#f3f3f3}img{max-width:100%;display:block;"
+    "margin:1em 0}pre{background:#f6f6f6;padding:1em;overflow:auto}h2{border-bottom:1px solid "
+    "#ddd;padding-bottom:.2em}"
+)
+# Marks the page with how many images failed to load, for the browser test.
+BROKEN_IMAGES_CHECK = (
+    "<script>window.addEventListener('load',function(){var b=0;document.querySelectorAll('img')"
+    ".forEach(function(i){if(!i.complete||i.naturalWidth===0)b++});"
+    "document.body.setAttribute('data-broken-images',b)});</script>"
+)
+
+
 def markdown_to_html(md: str, images: dict[str, bytes]) -> str:
-    """The report's own small Markdown subset (headings, tables, lists, code, images) as HTML."""
-    out, table, code = [], [], False
-
-    def inline(text: str) -> str:
-        text = html.escape(text)
-        text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
-        return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
-
-    def flush_table():
-        if table:
-            rows = [r for r in table if not re.fullmatch(r"\|(---\|)+", r)]
-            cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
-            out.append("<table><tr>" + "".join(f"<th>{inline(c)}</th>" for c in cells[0]) + "</tr>")
-            for r in cells[1:]:
-                out.append("<tr>" + "".join(f"<td>{inline(c)}</td>" for c in r) + "</tr>")
-            out.append("</table>")
-            table.clear()
-
-    for line in md.splitlines():
-        if line.startswith("```"):
-            flush_table()
-            out.append("</pre>" if code else "<pre>")
-            code = not code
-            continue
-        if code:
-            out.append(html.escape(line))
-            continue
-        if line.startswith("|"):
-            table.append(line)
-            continue
-        flush_table()
-        if m := re.fullmatch(r"!\[(.+?)\]\(figures/(.+?)\.png\)", line):
-            data = base64.b64encode(images[m.group(2)]).decode()
-            out.append(f'<img alt="{m.group(1)}" src="data:image/png;base64,{data}">')
-        elif line.startswith("## "):
-            out.append(f"<h2>{inline(line[3:])}</h2>")
-        elif line.startswith("# "):
-            out.append(f"<h1>{inline(line[2:])}</h1>")
-        elif line.startswith("- "):
-            out.append(f"<li>{inline(line[2:])}</li>")
-        elif line.strip():
-            out.append(f"<p>{inline(line)}</p>")
-    flush_table()
-    style = (
-        "body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em;"
-        "color:#222}table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;"
-        "padding:3px 8px;text-align:left}th{background:#f3f3f3}img{max-width:100%;display:block;"
-        "margin:1em 0}pre{background:#f6f6f6;padding:1em;overflow:auto}h2{border-bottom:1px solid "
-        "#ddd;padding-bottom:.2em}"
-    )
-    # Marks the page with how many images failed to load, for the browser test.
-    check = (
-        "<script>window.addEventListener('load',function(){var b=0;document.querySelectorAll('img')"
-        ".forEach(function(i){if(!i.complete||i.naturalWidth===0)b++});"
-        "document.body.setAttribute('data-broken-images',b)});</script>"
-    )
+    """The report page: `md` rendered by markdown-it, each figures/NAME.png inlined as a data
+    URI from `images`, so the one file holds everything."""
+    tokens = MARKDOWN.parse(md)
+    for token in tokens:
+        for child in token.children or []:
+            src = str(child.attrGet("src") or "")
+            if child.type == "image" and src.startswith("figures/") and src.endswith(".png"):
+                data = base64.b64encode(images[src[len("figures/") : -len(".png")]]).decode()
+                child.attrSet("src", f"data:image/png;base64,{data}")
+    body = MARKDOWN.renderer.render(tokens, MARKDOWN.options, {})
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>dsflow report</title>"
-        f"<style>{style}</style>{check}</head><body>\n" + "\n".join(out) + "\n</body></html>\n"
+        f"<style>{STYLE}</style>{BROKEN_IMAGES_CHECK}</head><body>\n{body}</body></html>\n"
     )
 
 
@@ -441,10 +470,9 @@ def run(params: dict) -> None:
         raise UsageError(
             "metrics/train.json or metrics/eval.json missing; run train and evaluate first"
         )
-    details = EVAL_DETAILS
     prov = provenance(params, train)
     comparison = previous_run()
-    figs = figure_pngs(train, details)
+    figs = figures(train, EVAL_DETAILS)
     images: dict[str, bytes] = {}
     with atomic_dir(FIGURES) as tmp:
         for name, fig in figs.items():
@@ -452,9 +480,7 @@ def run(params: dict) -> None:
             fig.tight_layout()
             fig.savefig(tmp / f"{name}.png", dpi=110, metadata={"Software": None})
             images[name] = (tmp / f"{name}.png").read_bytes()
-    md = build_markdown(params, train, evalm, details, prov, comparison, list(figs))
-    from dsflow.atomic import atomic_file
-
+    md = build_markdown(params, train, evalm, EVAL_DETAILS, prov, comparison, list(figs))
     with atomic_file(REPORT_MD) as f:
         f.write(md)
     with atomic_file(REPORT_HTML) as f:
