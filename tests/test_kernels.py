@@ -301,7 +301,7 @@ def test_activation_checkpointing_recomputes_the_same_gradients():
 def test_device_idle_counts_only_gaps_inside_each_phase():
     """The profiler's idle arithmetic: kernels that overlap, straddle a phase's edges or run
     past it; idle is the phase's time with no kernel running."""
-    from dsflow.train.loop import device_idle
+    from dsflow.train.diagnostics import device_idle
 
     kernels = [(0, 4), (2, 6), (9, 12), (15, 15), (20, 30)]  # busy 0-6, 9-12, 20-30
     assert device_idle([(0, 10)], kernels) == (10, 3)  # idle 6-9
@@ -312,7 +312,7 @@ def test_device_idle_counts_only_gaps_inside_each_phase():
 
 
 def test_sync_calls_are_counted_in_the_phase_they_start_in():
-    from dsflow.train.loop import count_within
+    from dsflow.train.diagnostics import count_within
 
     syncs = [1.0, 5.0, 9.99, 10.0, 30.0]
     assert count_within([(0, 10)], syncs) == 3
@@ -327,7 +327,7 @@ def test_step_profiler_writes_the_phase_table_and_trace(tmp_path):
     import gzip
     import json
 
-    from dsflow.train.loop import StepProfiler
+    from dsflow.train.diagnostics import StepProfiler
 
     path = tmp_path / "logs" / "profile.txt"
     prof = StepProfiler(2, 3, str(path), "cpu")

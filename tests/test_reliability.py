@@ -412,7 +412,7 @@ time.sleep(60)
 """
 STAGE = """
 import subprocess, sys, time
-from dsflow.train import _die_with_parent
+from dsflow.train.stage import _die_with_parent
 child = subprocess.Popen(
     [sys.executable, "-c", sys.argv[1], sys.argv[2]],
     start_new_session=True,
@@ -545,7 +545,7 @@ def test_run_lock_is_exclusive_and_names_the_holder(tmp_path):
 
 
 def test_step_health_counts_overflow_skips_nan_streaks_and_spikes():
-    from dsflow.train.loop import StepHealth
+    from dsflow.train.health import StepHealth
 
     h = StepHealth(max_bad=3, min_history=3, factor=5.0)
     # fp16 loss-scale overflow: finite loss, update skipped by DeepSpeed. Counted, not bad.

@@ -114,8 +114,8 @@ EVAL_EXPORTED = r"""
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM
-from dsflow.data import ShardReader
-from dsflow.lm import evaluate_loss
+from dsflow.data.shards import ShardReader
+from dsflow.model.loss import evaluate_loss
 model = AutoModelForCausalLM.from_pretrained("models/final")
 reader = ShardReader("data/shards/val", 64, seed=1234)
 total, count = evaluate_loss(model, reader, micro=2, device=torch.device("cpu"), max_windows=12)
@@ -213,7 +213,7 @@ def test_logging_a_step_does_not_reread_the_run_so_far(tmp_path, monkeypatch):
     the summary still hold every step."""
     import dvclive.live
 
-    from dsflow.train.loop import Logger
+    from dsflow.train.metrics import Logger
 
     monkeypatch.chdir(tmp_path)
     for var in ("DVC_ROOT", "DVC_STUDIO_TOKEN", "STUDIO_TOKEN", "DVC_STUDIO_URL"):

@@ -85,7 +85,7 @@ class Perf:
 
     @property
     def hooks_traced(self) -> bool:
-        """The balancer's router hooks go into the compiled graphs (dsflow.kernels.apply)."""
+        """The balancer's router hooks go into the compiled graphs (fastpaths.apply)."""
         return self.compile and self.compile_router_hooks and not self.activation_checkpointing
 
     def describe(self) -> str:

@@ -15,6 +15,9 @@ file and its size), fsync, rename the temp tag to its final name and atomically 
 So a `stepNNNNNNNN` directory is complete by construction; resume still validates it
 (`validate_tag`) and falls back to the newest complete tag when the one `latest` names is not.
 
+The ranks save with `save` and resume with `resume`; the rest of this module is what the train
+stage needs to pick, check and convert a tag.
+
 `checkpoints/.lock` (flock) is held by the train stage for its whole run: two runs never write
 the same checkpoints. `checkpoints/.stop` asks the ranks to checkpoint and stop at the next step
 boundary (what the train stage does on SIGTERM / SIGINT).
@@ -23,18 +26,27 @@ boundary (what the train stage does on SIGTERM / SIGINT).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
 
 from dsflow.atomic import atomic_file, fsync_dir
 from dsflow.errors import UsageError
 from dsflow.paths import CHECKPOINTS
+from dsflow.train.health import EXIT_FATAL, report_fatal
 
 TAG_PREFIX = "step"
 TEMP_PREFIX = ".tmp-"
@@ -399,3 +411,121 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# --------------------------------------------------------------------------- the ranks' side
+
+
+def rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_failure(exc: BaseException, tag: str, previous: str | None, rank: int) -> str | None:
+    """The one-line reason a checkpoint write failed, or None when `exc` is not about storage."""
+    root = CHECKPOINTS
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    need = max(tag_bytes(root, previous), 16 << 20)
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    no_space = (
+        getattr(exc, "errno", None) == errno.ENOSPC
+        or "No space left" in reason
+        # torch.save reports a full disk as a bare RuntimeError from its zip writer
+        or (free is not None and free < need)
+    )
+    if not no_space and not isinstance(exc, OSError):
+        return None
+    rerun = f"rerun to resume from {previous}" if previous else "rerun (it starts from step 0)"
+    kept = (
+        f"the previous checkpoint {previous} is intact"
+        if previous
+        else "there is no earlier checkpoint"
+    )
+    if no_space:
+        where = f"; {free / 1e6:.0f} MB free in {root}/" if free is not None else ""
+        return (
+            f"no space left on device while saving checkpoint {tag} (rank {rank}: {reason}{where}); "
+            f"{kept}: free space (or lower train.keep_checkpoints) and {rerun}"
+        )
+    return f"cannot save checkpoint {tag} (rank {rank}: {reason}); {kept}: fix it and {rerun}"
+
+
+def save(run: Any, spec: Any, step: int, health: dict, faults: Any, last_good: str | None) -> str:
+    """Save step `step` on every rank; returns its tag, now the newest complete checkpoint.
+
+    Atomic: every rank writes into a temporary tag; once all are done rank 0 records the
+    manifest, renames it to its final name and moves `latest` (`commit`). A write that fails
+    for lack of space (or any OSError) ends the run with one line saying what is kept."""
+    tag = tag_for(step)
+    tmp = temp_tag(tag)
+    # DeepSpeed stores client state from rank 0 only: gather every rank's RNG into it.
+    states: list = [None] * spec.world
+    dist.all_gather_object(states, rng_state())
+    client = {
+        "step": step,
+        "rng": states,
+        "fingerprint": spec.fingerprint,
+        "health": health,
+        "expert_bias": run.balancer.bias_state(),
+    }
+    engine = run.engine
+    try:
+        with faults.disk_full(engine, step):
+            engine.save_checkpoint(
+                str(CHECKPOINTS), tag=tmp, client_state=client, save_latest=False
+            )
+        faults.in_save(step)
+        dist.barrier()
+        if run.rank == 0:
+            write_manifest(CHECKPOINTS, tmp, step, spec.world, bool(engine.save_zero_checkpoint))
+            commit(CHECKPOINTS, tmp, tag)
+    except (OSError, RuntimeError) as e:
+        message = save_failure(e, tag, last_good, run.rank)
+        if message is None:
+            raise
+        # The other ranks wait in a barrier for this one: leave now, so that they fail
+        # fast (their peer is gone) and the launcher stops them.
+        report_fatal(message)
+        sys.stderr.flush()
+        os._exit(EXIT_FATAL)
+    if run.rank == 0:
+        prune(CHECKPOINTS, spec.keep_checkpoints)
+    dist.barrier()
+    return tag
+
+
+def resume(run: Any, spec: Any) -> tuple[int, dict | None]:
+    """Load spec.resume into the engine (weights, optimizer, RNG, expert biases); returns the
+    step it saved and the run's health state (0 and None for a fresh run)."""
+    if not spec.resume:
+        return 0, None
+    _, client = run.engine.load_checkpoint(
+        str(CHECKPOINTS), tag=spec.resume, load_module_strict=True
+    )
+    if len(client["rng"]) == spec.world:
+        set_rng_state(client["rng"][run.rank])
+    if "expert_bias" in client:
+        # A universal checkpoint (another world size) restores parameters only, not the
+        # module's buffers: the router biases come from the client state.
+        run.balancer.load_bias_state(client["expert_bias"])
+    run.balancer.sync_bias()
+    if run.rank == 0:
+        saved = len(client["rng"])
+        elastic = f" (saved by {saved} ranks)" if saved != spec.world else ""
+        print(f"[dsflow train] resumed from step {client['step']}{elastic}", file=sys.stderr)
+    return client["step"], client.get("health")

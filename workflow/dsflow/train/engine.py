@@ -1,0 +1,160 @@
+"""From a run spec to a DeepSpeed engine: the model (fresh or pretrained), the expert balancer,
+the fast paths, the optimizer, and DeepSpeed around them."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from dsflow.data.shards import ShardReader
+from dsflow.model import fastpaths
+from dsflow.model.balance import ExpertBalancer
+from dsflow.model.build import build_model
+from dsflow.model.loss import TrainingLM, evaluate_loss
+from dsflow.model.presets import model_config
+from dsflow.train import fusedgrads
+from dsflow.train.masteradam import MasterAdamW
+from dsflow.train.metrics import all_sum
+from dsflow.train.runspec import RunSpec
+
+
+@dataclasses.dataclass
+class Run:
+    """What one rank trains with."""
+
+    engine: Any  # deepspeed.DeepSpeedEngine around TrainingLM(model)
+    model: Any  # the HF model (engine.module.model)
+    balancer: ExpertBalancer
+    perf: fastpaths.Perf
+    optimizer: MasterAdamW | None  # dsflow's fused optimizer; None: DeepSpeed's own
+    device: torch.device
+    rank: int
+    world: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.perf.compile and self.perf.compile_mode in ("reduce-overhead", "max-autotune")
+
+    @property
+    def applied_on_device(self) -> bool:
+        """The fused optimizer's kernel path decides on the device whether it took a step (no
+        host sync); the engine is not told."""
+        return self.optimizer is not None and self.optimizer._triton(self.device)
+
+    def validate(self, spec: RunSpec, reader: ShardReader) -> float:
+        """Mean validation loss over every rank's share of train.eval_batches batches."""
+        # Validation is a small share of the run: eager, instead of compiling a no-grad graph.
+        stance = (
+            torch.compiler.set_stance("force_eager")
+            if self.perf.compile
+            else contextlib.nullcontext()
+        )
+        with stance:
+            total, count = evaluate_loss(
+                self.engine.module,  # through DeepSpeed's module: ZeRO-3 hooks gather weights
+                reader,
+                micro=spec.micro,
+                device=self.device,
+                rank=self.rank,
+                world=self.world,
+                max_windows=spec.eval_batches * spec.micro * self.world,
+                # ZeRO-3 gathers parameters inside every forward: all ranks must run as many.
+                lockstep=spec.zero3,
+            )
+        total, count = all_sum([total, count], self.device)
+        return total / count
+
+
+def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
+    """The model, its fast paths and optimizer, wrapped by DeepSpeed; seeded from params.seed."""
+    import deepspeed
+
+    random.seed(spec.seed)
+    np.random.seed(spec.seed)
+    torch.manual_seed(spec.seed)
+    model = _model(spec, device.type)
+    balancer = ExpertBalancer(
+        model, gamma=spec.balance["gamma"], seq_aux_alpha=spec.balance["seq_aux_alpha"]
+    )
+    perf = fastpaths.apply(model, fastpaths.Perf(**spec.perf), balancer, device)
+    if rank == 0:
+        print(f"[dsflow train] fast paths: {perf.describe()}", file=sys.stderr)
+    if spec.zero3 and balancer.routers:
+        _gather_moe_blocks_whole(model)
+    trainee = _universal(TrainingLM(model, ce_chunk=perf.ce_chunk))
+    trainable = [p for p in trainee.parameters() if p.requires_grad]
+    optimizer = _fused_optimizer(trainee, trainable, spec) if perf.optimizer == "fused" else None
+    engine, _, _, _ = deepspeed.initialize(
+        model=trainee, model_parameters=trainable, optimizer=optimizer, config=spec.ds_config
+    )
+    if optimizer is not None and spec.world == 1:
+        # ZeRO-0's all-reduce of one rank would only copy every gradient into buckets and back.
+        engine.enable_backward_allreduce = False
+    _install_fused_grad_checks(engine, perf, rank)
+    # DeepSpeed broadcasts parameters at start-up, not buffers: give every rank rank 0's biases.
+    balancer.sync_bias()
+    return Run(engine, model, balancer, perf, optimizer, device, rank, spec.world)
+
+
+def _model(spec: RunSpec, device_type: str) -> Any:
+    config = model_config(spec.model["preset"], spec.vocab_size, spec.model["overrides"])
+    return build_model(config, device_type=device_type, pretrained=spec.model["pretrained"])
+
+
+def _gather_moe_blocks_whole(model: Any) -> None:
+    """ZeRO-3 gathers a module's parameters when its forward starts, following the order it
+    traced; routed experts run in a data-dependent order (or not at all), so the ranks fetch
+    different parameters (DeepSpeed: "Detected a disagreement on list length between rank0 and
+    rank1", or a hang). As a leaf, the whole MoE block is gathered at once."""
+    from deepspeed.utils import set_z3_leaf_modules
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    set_z3_leaf_modules(model, [DeepseekV3MoE])
+
+
+def _universal(trainee: TrainingLM) -> TrainingLM:
+    """Marks the checkpoints as plain data parallel (no tensor/pipeline slicing), which is what
+    deepspeed.checkpoint.ds_to_universal needs to convert them for an elastic resume."""
+    from deepspeed.checkpoint import constants as ds_ckpt
+
+    setattr(
+        trainee,
+        ds_ckpt.UNIVERSAL_CHECKPOINT_INFO,
+        {ds_ckpt.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds_ckpt.UNIVERSAL_CHECKPOINT_VERSION_VALUE},
+    )
+    return trainee
+
+
+def _fused_optimizer(trainee: TrainingLM, trainable: list, spec: RunSpec) -> MasterAdamW:
+    # DeepSpeed's bf16 mode would cast the parameters (not the buffers) and wrap its own
+    # optimizer; here dsflow casts them the same way and brings the optimizer.
+    for p in trainee.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    opt = spec.optimizer
+    return MasterAdamW(
+        trainable,
+        lr=opt["lr"],
+        betas=tuple(opt["betas"]),
+        eps=opt["eps"],
+        weight_decay=opt["weight_decay"],
+        max_grad_norm=spec.grad_clip,
+    )
+
+
+def _install_fused_grad_checks(engine: Any, perf: fastpaths.Perf, rank: int) -> None:
+    if perf.fused_grad_checks and not fusedgrads.install(engine.optimizer) and rank == 0:
+        print(
+            "[dsflow train] train.perf.fused_grad_checks: not applicable to this layout "
+            f"({type(engine.optimizer).__name__}); DeepSpeed's own checks run",
+            file=sys.stderr,
+        )
