@@ -75,22 +75,20 @@ def test_cuda_fast_paths_train_the_same_curve(prepared, tmp_path):
     fast = gpu_run(prepared, tmp_path / "fast", "fp32", FAST)
     assert plain.keys() == fast.keys()
     # Step 1 has the same weights and batch in both: its gradient norm differs by rounding
-    # only. (On one H200, ninth session, it was 1.8% off with the loss 8e-8 off: Adam's
-    # per-element normalization hid that from the losses until step 4. The tenth found it:
-    # the sorted experts traced by dynamo in fp32 got zero gradients, see
-    # kernels.sorted_experts_forward.)
+    # only. (Compiled sorted experts in fp32 once lost their gradients on an H200: the norm was
+    # 1.8% off with the loss 8e-8 off, since Adam's per-element normalization hid it from the
+    # losses until step 4; see fastpaths.sorted_experts_forward and docs/log.md.)
     norms = [losses(tmp_path / run, "train/grad_norm")[1] for run in ("plain", "fast")]
     assert norms[1] == pytest.approx(norms[0], rel=1e-4), norms
     # Every step's difference in the message: growing step by step is rounding that the MoE
-    # routing amplifies, a jump at one step is a bug (on one H200, sixth session, step 11 of 12
-    # was 1.2e-3 off with everything before it inside).
+    # routing amplifies, a jump at one step is a bug.
     rel = {step: abs(fast[step] - plain[step]) / abs(plain[step]) for step in plain}
     assert max(rel.values()) <= 1e-3, rel
     # Each step's loss is its own: a stale graph output would repeat the previous one.
     assert len(set(fast.values())) == len(fast)
 
 
-# One fast path at a time on top of PLAIN (kernels.Perf's fields, as train.perf names them).
+# One fast path at a time on top of PLAIN (fastpaths.Perf's fields, as train.perf names them).
 ALONE = {
     "attention": {"attention": "flash_padded"},
     "ce_chunk": {"ce_chunk": 37},
@@ -101,7 +99,7 @@ ALONE = {
     "compile_router_hooks": {"compile": True, "compile_router_hooks": True},
 }
 ALL_BUT_GRAPHS = {**FAST, "compile_mode": "default"}
-# The paths that act on the model itself (kernels.apply), for one forward and backward.
+# The paths that act on the model itself (fastpaths.apply), for one forward and backward.
 ON_MODEL = ("attention", "ce_chunk", "experts", "compile", "compile_router_hooks")
 MODEL_PATHS = {name: ALONE[name] for name in ON_MODEL} | {"all": ALL_BUT_GRAPHS}
 
@@ -109,11 +107,11 @@ MODEL_PATHS = {name: ALONE[name] for name in ON_MODEL} | {"all": ALL_BUT_GRAPHS}
 def fast_path_gradients(device: str, path: dict, dtype: str = "float32"):
     """One forward and backward of the tiny preset in `dtype` (a batch like the train tests':
     4 x 64 tokens), the sequence-wise aux loss included: (loss, aux, {name: fp32 gradient}).
-    `path`: kernels.Perf's fields over PLAIN's ({} for the plain path)."""
+    `path`: fastpaths.Perf's fields over PLAIN's ({} for the plain path)."""
     import torch
     import torch._dynamo
 
-    from dsflow.model import fastpaths as kernels
+    from dsflow.model import fastpaths
     from dsflow.model.balance import ExpertBalancer
     from dsflow.model.build import build_model
     from dsflow.model.loss import TrainingLM
@@ -127,8 +125,8 @@ def fast_path_gradients(device: str, path: dict, dtype: str = "float32"):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 384, (4, 65), generator=g).to(device)
     balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
-    wanted = kernels.Perf(**{**PLAIN, **path})
-    perf = kernels.apply(model, wanted, balancer, torch.device(device))
+    wanted = fastpaths.Perf(**{**PLAIN, **path})
+    perf = fastpaths.apply(model, wanted, balancer, torch.device(device))
     assert perf.experts == wanted.experts
     trainee = TrainingLM(model, ce_chunk=perf.ce_chunk)
     for _ in range(2):  # the second call runs the compiled graphs from their cache
@@ -163,8 +161,8 @@ def test_cuda_each_fast_path_gives_the_plain_paths_gradients(plain_gradients, pa
     """fp32 on the GPU, one forward and backward: each fast path's loss and aux loss are the
     plain path's, and so is every parameter's gradient, to fp32 rounding (1e-4 of the
     tensor's norm). The losses of a training run cannot show this: Adam's first steps
-    normalize each gradient element, so a wrong gradient scale hides for a few steps (a train
-    run on one H200, ninth session: step 1's gradient norm 1.8% off with its loss 8e-8 off)."""
+    normalize each gradient element, so a wrong gradient scale hides for a few steps (a step-1
+    gradient norm 1.8% off can come with a loss 8e-8 off)."""
     loss0, aux0, plain = plain_gradients
     loss, aux, fast = fast_path_gradients("cuda", MODEL_PATHS[path])
     assert loss == pytest.approx(loss0, rel=1e-5)
@@ -179,8 +177,8 @@ def test_cuda_each_fast_path_gives_the_plain_paths_gradients(plain_gradients, pa
 def test_cuda_default_fast_paths_keep_every_gradient_in_bf16():
     """bf16, the GPU's default, one forward and backward with every fast path but CUDA graphs
     against the plain path: each parameter's gradient within bf16's rounding, which also moves
-    a few tokens to other experts (0.16 of the worst tensor's norm on one H200, tenth session;
-    the compiled fp32 experts there had lost theirs: a gap of 1)."""
+    a few tokens to other experts (a gap of about 0.16 of the worst tensor's norm; a lost
+    gradient is a gap of 1)."""
     loss0, aux0, plain = fast_path_gradients("cuda", {}, "bfloat16")
     loss, aux, fast = fast_path_gradients("cuda", ALL_BUT_GRAPHS, "bfloat16")
     assert loss == pytest.approx(loss0, rel=1e-2)
@@ -225,11 +223,10 @@ def test_cuda_each_fast_path_keeps_step_ones_gradient_norm(
 ):
     """Steps 1 and 2 run the same weights and batches whatever the path (step 1's learning
     rate is 0): the same losses, gradient norms and expert loads to fp32 rounding, one path
-    at a time. On one H200 in the ninth session all paths together moved step 1's norm by
-    1.8%, with the loss 8e-8 off; in the tenth each path alone passed and all-zero1 failed
-    the same way (compiled sorted experts in fp32: no gradients). Step 2 also sees the router
-    biases after the balancer's first update, so a path that counts experts differently
-    shows there."""
+    at a time, and all of them together at ZeRO-1 (all-zero1: no DeepSpeed gradient hooks, no
+    overlap_comm side stream), which tells DeepSpeed's machinery from the kernels. Step 2 also
+    sees the router biases after the balancer's first update, so a path that counts experts
+    differently shows there."""
     fast = step_one(prepared, tmp_path / "repo", {**PLAIN, **TRAIN_PATHS[path]})
     got = {(name, step): fast[name][step] for name in STEP_ONE_METRICS for step in (1, 2)}
     want = {

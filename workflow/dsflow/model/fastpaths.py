@@ -18,8 +18,7 @@
   before the dynamic loss scale, and small ones would underflow (bf16 has fp32's range).
 - `fused_grad_checks`: DeepSpeed's gradient overflow check and norm in a few multi-tensor
   launches instead of ~10 per tensor (dsflow.train.fusedgrads; ZeRO-1/2 without CPU offload).
-  `auto` turns it on for CUDA in bf16/fp32 where it fits: 1.4x the dense step on one H200
-  (docs/performance.md). fp16 (dynamic loss scaling) is untested, so there it stays opt-in.
+  `auto` turns it on for CUDA in bf16/fp32 where it fits (its gain: docs/performance.md). fp16 (dynamic loss scaling) is untested, so there it stays opt-in.
 - `experts: sorted`: the routed experts as two grouped GEMMs over the tokens sorted by expert,
   like HF's `grouped_mm`, but the token permutation's backward is made of gathers: HF writes
   it as indexing, whose backward is an accumulating scatter (sort-based on CUDA) for the
@@ -27,18 +26,18 @@
   un-permutation. Each slot of the sort is one (token, k) pair, so the inverse permutation
   turns every scatter into a gather and a sum over a token's k rows. The same fp32 combine of
   the k weighted outputs as HF. `auto` = sorted on CUDA in bf16 at ZeRO-0/1/2 (HF's
-  experts elsewhere, and on a GPU below SM80 or for another experts layout), HF's on CPU:
-  with the hooks traced, 1.16x the MoE step on one H200 (docs/performance.md).
+  experts elsewhere, and on a GPU below SM80 or for another experts layout), HF's on CPU
+  (its gain with the hooks traced: docs/performance.md).
 - `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.train.masteradam) instead of
   DeepSpeed's bf16 optimizer wrapper: one pass over memory for the whole step, no copies of
   the gradients into fp32 buffers, and no host sync (it skips a non-finite step on the device).
   ZeRO-0 in bf16 only (it partitions nothing; `zero_stage: auto` picks ZeRO-0 where it is
-  wanted). `auto` = fused on one GPU: 109.2 against 130.5 ms for DeepSpeed's ZeRO-1 MoE step
-  on one H200 (docs/performance.md); DeepSpeed's on several GPUs (unmeasured there) and CPU.
+  wanted). `auto` = fused on one GPU, where it is faster than DeepSpeed's ZeRO-1
+  (docs/performance.md); DeepSpeed's on several GPUs (unmeasured there) and CPU.
 - `async_metrics`: each step's numbers (loss, gradient norm, expert counts, memory, the stop
   flag) are read back one step late (dsflow.train.metrics), so the host queues the next step
-  while the GPU finishes this one instead of waiting for it: 104.0 -> 89.2 ms for the MoE
-  step on one H200. `auto` = on for CUDA.
+  while the GPU finishes this one instead of waiting for it (docs/performance.md). `auto` = on
+  for CUDA.
 - `activation_checkpointing`: keep only each decoder layer's input and recompute the rest in
   the backward pass (HF's gradient checkpointing, non-reentrant): less memory for a larger
   micro batch, at the price of one more forward (off by default: it is slower at a given batch).
@@ -140,11 +139,11 @@ def resolve(
                 "set train.perf.ce_chunk: auto or 0, or use bf16"
             )
         ce_chunk = 0
-    # With the router hooks traced, the sorted experts took an H200's MoE step from 133.2 to
-    # 114.5 ms (docs/performance.md), in bf16 at ZeRO-0/1/2. In fp32 they run eagerly between
-    # the compiled graphs (sorted_experts_forward), unmeasured for speed, while HF's compiled
-    # fp32 experts gave the plain path's step on an H200; fp16's loss scaling and ZeRO-3's
-    # parameter gathering are untested. There, and on CPU, auto keeps HF's.
+    # With the router hooks traced, the sorted experts shorten the MoE step in bf16 at
+    # ZeRO-0/1/2 (docs/performance.md). In fp32 they run eagerly between the compiled graphs
+    # (sorted_experts_forward), unmeasured for speed, while HF's compiled fp32 experts are
+    # exact on a GPU; fp16's loss scaling and ZeRO-3's parameter gathering are untested.
+    # There, and on CPU, auto keeps HF's.
     experts_auto = perf.get("experts", "auto") == "auto"
     tested = precision == "bf16" and zero_stage in (0, 1, 2)
     experts = ("sorted" if cuda and tested else "hf") if experts_auto else perf["experts"]
@@ -176,9 +175,9 @@ def optimizer_choice(
     user_config: bool = False,
 ) -> str:
     """`train.perf.optimizer`: dsflow's fused AdamW where it applies (ZeRO-0, bf16, the optimizer
-    on the device); `auto` takes it on one GPU (on one H200: 109.2 against 130.5 ms for
-    DeepSpeed's ZeRO-1 in one call, docs/performance.md; on several GPUs ZeRO-0 would hold a
-    full optimizer state on each, and it is unmeasured there) and DeepSpeed's elsewhere: on
+    on the device); `auto` takes it on one GPU (faster than DeepSpeed's ZeRO-1 there,
+    docs/performance.md; on several GPUs ZeRO-0 would hold a full optimizer state on each,
+    and it is unmeasured there) and DeepSpeed's elsewhere: on
     CPU, where the fused one is torch's AdamW, the same as DeepSpeed's, and with a DeepSpeed
     config file of the user's merged (`user_config`: its settings are for DeepSpeed's)."""
     value = perf.get("optimizer", "auto")

@@ -3,8 +3,8 @@
 DeepSpeed 0.19 checks every gradient tensor for inf/NaN with its own amax, amin and isfinite
 launches, then takes each tensor's norm after copying it to fp64: about ten small kernels per
 tensor, each launched from Python. After the overflow check's host sync the GPU has nothing
-queued, so it idles while the host issues those launches (part of the ~40% of a 191M-parameter
-dense step that an H200 waits for the host, docs/performance.md). Both answers come from
+queued, so it idles while the host issues those launches (docs/performance.md measures how
+much of a dense step an H200 waits for the host). Both answers come from
 per-tensor L2 norms taken by one multi-tensor launch (`_foreach_norm`, fp32 accumulation): a
 norm is inf/NaN exactly when its tensor holds an inf/NaN. (GradScaler's
 `_amp_foreach_non_finite_check_and_unscale_` would be the elementwise test, but its CUDA kernel

@@ -6,7 +6,7 @@ buffer, scaled by the clip coefficient, Adam reads and writes the fp32 master we
 moments, the masters are copied back into the bf16 weights, and those are flattened or
 gathered. In backward, ZeRO-1/2 and ZeRO-0's all-reduce copy every gradient into buckets too.
 For a MoE model, whose parameters are many times its activated ones, that traffic is a large
-part of the step: 18 ms of a 111 ms MoE step on an H200 (docs/performance.md).
+part of the step (docs/performance.md gives its share on an H200).
 
 `MasterAdamW` keeps the fp32 master weights, exp_avg and exp_avg_sq itself (flat buffers per
 parameter group, one view per parameter) and does the step in one kernel launch per group:
@@ -17,9 +17,8 @@ parameter, the same as fp32 Adam alone. The gradient norm is one multi-tensor la
 DeepSpeed's bf16 wrapper and gradient clipping off (this class clips, from the same norm),
 selected by `train.perf.optimizer` (`fused`; `auto` on one GPU: dsflow.model.fastpaths).
 
-On one H200 its first version, one launch per tensor (~250 a MoE step), made the MoE step
-slower than DeepSpeed's ZeRO-1 (2.15x its baseline against 2.38x); this one-launch version
-made it faster: 109.2 against 130.5 ms in one call (docs/performance.md), so `auto` takes it
+One launch per group matters: one launch per tensor (~250 a MoE step) is slower than
+DeepSpeed's ZeRO-1 on an H200, one per group faster (docs/performance.md), so `auto` takes it
 on one GPU. On the GPU's path the step takes no host sync: the kernel skips a non-finite step
 itself and the step count lives on the device (`applied` tells the caller what happened).
 

@@ -185,8 +185,8 @@ class Logger:
         if "data" in getattr(self.live, "_studio_events_to_skip", ()):
             # DVCLive 3.49 gathers data for DVC Studio at every step even when Studio is not
             # set up (and drops it later): it re-reads every metric's whole TSV, so each step
-            # costs more than the last (2 ms at step 10, 32 ms at step 2000 on a 2-core
-            # machine: bench/logging_overhead.py), all of it time the GPU waits. With Studio
+            # costs more than the last (bench/logging_overhead.py measures it), all of it time
+            # the GPU waits. With Studio
             # set up it stays as it is.
             self.live.post_data_to_studio = lambda: None
         self.bar = bar(desc="train", total=steps, initial=start, unit="step")

@@ -1,5 +1,5 @@
-"""The training fast paths (dsflow.model.fastpaths, dsflow.model.loss, dsflow.data.BatchLoader) compute what the
-plain HF path computes: same logits, losses, gradients, expert counts and batches."""
+"""The training fast paths (dsflow.model.fastpaths, dsflow.model.loss, and BatchLoader in
+dsflow.data.shards) compute what the plain HF path computes: same logits, losses, gradients, expert counts and batches."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from dsflow.data.shards import BatchLoader, ShardReader
 from dsflow.errors import UsageError
-from dsflow.model import fastpaths as kernels
+from dsflow.model import fastpaths
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.build import build_model
 from dsflow.model.loss import TrainingLM, linear_cross_entropy, mean_loss
@@ -34,25 +34,25 @@ def batch(seed=1, size=2, seq=33):
 
 def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
-    fast = kernels.Perf(
+    fast = fastpaths.Perf(
         True, "flash_padded", 8192, True, False, fused_grad_checks=True, experts="sorted",
         experts_fallback=True, async_metrics=True,
     )  # fmt: skip
-    assert kernels.resolve(auto, "cuda") == fast
-    assert not kernels.resolve({**auto, "async_metrics": False}, "cuda").async_metrics
+    assert fastpaths.resolve(auto, "cuda") == fast
+    assert not fastpaths.resolve({**auto, "async_metrics": False}, "cuda").async_metrics
     # Asked for by name, the sorted experts are not swapped for HF's where they do not apply.
-    assert not kernels.resolve({**auto, "experts": "sorted"}, "cuda").experts_fallback
+    assert not fastpaths.resolve({**auto, "experts": "sorted"}, "cuda").experts_fallback
     # auto keeps HF's experts where the sorted ones are untested: fp16, ZeRO-3, and fp32,
     # where they run eagerly between the compiled graphs (unmeasured for speed).
-    assert kernels.resolve(auto, "cuda", precision="fp16").experts == "hf"
-    assert kernels.resolve(auto, "cuda", precision="fp32").experts == "hf"
-    assert kernels.resolve(auto, "cuda", zero_stage=3).experts == "hf"
-    assert kernels.resolve(auto, "cpu") == kernels.Perf(False, "sdpa", 0, True, False)
-    assert kernels.resolve({**auto, "ce_chunk": 512, "compile": True}, "cpu").ce_chunk == 512
+    assert fastpaths.resolve(auto, "cuda", precision="fp16").experts == "hf"
+    assert fastpaths.resolve(auto, "cuda", precision="fp32").experts == "hf"
+    assert fastpaths.resolve(auto, "cuda", zero_stage=3).experts == "hf"
+    assert fastpaths.resolve(auto, "cpu") == fastpaths.Perf(False, "sdpa", 0, True, False)
+    assert fastpaths.resolve({**auto, "ce_chunk": 512, "compile": True}, "cpu").ce_chunk == 512
     # ZeRO-3 gathers parameters in module hooks: auto turns compile off, true is refused.
-    assert kernels.resolve(auto, "cuda", zero_stage=3).compile is False
+    assert fastpaths.resolve(auto, "cuda", zero_stage=3).compile is False
     with pytest.raises(UsageError, match="train.perf.compile"):
-        kernels.resolve({**auto, "compile": True}, "cuda", zero_stage=3)
+        fastpaths.resolve({**auto, "compile": True}, "cuda", zero_stage=3)
 
 
 @pytest.mark.parametrize(
@@ -71,25 +71,25 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu():
 def test_fused_grad_checks_auto_is_on_where_it_fits_and_is_tested(
     device, stage, precision, offload, on
 ):
-    assert kernels.resolve({}, device, stage, precision, offload).fused_grad_checks is on
-    assert not kernels.resolve(
+    assert fastpaths.resolve({}, device, stage, precision, offload).fused_grad_checks is on
+    assert not fastpaths.resolve(
         {"fused_grad_checks": False}, device, stage, precision, offload
     ).fused_grad_checks
     fits = stage in (1, 2) and not offload
     if fits:  # true insists, on any device and precision
-        perf = kernels.resolve({"fused_grad_checks": True}, device, stage, precision, offload)
+        perf = fastpaths.resolve({"fused_grad_checks": True}, device, stage, precision, offload)
         assert perf.fused_grad_checks
     else:
         with pytest.raises(UsageError, match="train.perf.fused_grad_checks: true .* auto or false"):
-            kernels.resolve({"fused_grad_checks": True}, device, stage, precision, offload)
+            fastpaths.resolve({"fused_grad_checks": True}, device, stage, precision, offload)
 
 
 def test_fp16_turns_the_fused_loss_off():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
     # fp16: the fused loss's gradients would underflow before loss scaling.
-    assert kernels.resolve(auto, "cuda", precision="fp16").ce_chunk == 0
+    assert fastpaths.resolve(auto, "cuda", precision="fp16").ce_chunk == 0
     with pytest.raises(UsageError, match="train.perf.ce_chunk"):
-        kernels.resolve({**auto, "ce_chunk": 4096}, "cuda", precision="fp16")
+        fastpaths.resolve({**auto, "ce_chunk": 4096}, "cuda", precision="fp16")
 
 
 @pytest.mark.parametrize("overrides", [{}, {"v_head_dim": 64}], ids=["v-narrower", "v-wider"])
@@ -98,8 +98,8 @@ def test_padded_attention_gives_the_same_logits(overrides):
     inputs, _ = batch()
     with torch.no_grad():
         reference = model(input_ids=inputs).logits
-        kernels.use_attention(model, "flash_padded")
-        assert model.config._attn_implementation == kernels.FLASH_PADDED
+        fastpaths.use_attention(model, "flash_padded")
+        assert model.config._attn_implementation == fastpaths.FLASH_PADDED
         padded = model(input_ids=inputs).logits
     torch.testing.assert_close(padded, reference, rtol=1e-5, atol=1e-5)
 
@@ -138,18 +138,18 @@ def test_experts_auto_keeps_hfs_where_sorted_does_not_apply():
     """`experts: auto` on a layout the sorted experts do not handle keeps HF's experts; asked
     for by name, the same layout is a one-line UsageError naming the key."""
     model = tiny(moe_intermediate_size=16)
-    assert kernels.use_experts(model, "sorted", fallback=True) == "sorted"
+    assert fastpaths.use_experts(model, "sorted", fallback=True) == "sorted"
     odd = tiny(moe_intermediate_size=16)
     next(m for m in odd.modules() if hasattr(m, "gate_up_proj")).has_bias = True
     before = odd.config._experts_implementation
-    assert kernels.use_experts(odd, "sorted", fallback=True) == "hf"
+    assert fastpaths.use_experts(odd, "sorted", fallback=True) == "hf"
     assert odd.config._experts_implementation == before
     with pytest.raises(UsageError, match="train.perf.experts: sorted does not support"):
-        kernels.use_experts(odd, "sorted")
+        fastpaths.use_experts(odd, "sorted")
     # The train stage logs what apply returns: the experts that run.
-    perf = kernels.Perf(False, "sdpa", 0, False, experts="sorted", experts_fallback=True)
-    assert kernels.apply(odd, perf).experts == "hf"
-    assert kernels.apply(tiny(moe_intermediate_size=16), perf).experts == "sorted"
+    perf = fastpaths.Perf(False, "sdpa", 0, False, experts="sorted", experts_fallback=True)
+    assert fastpaths.apply(odd, perf).experts == "hf"
+    assert fastpaths.apply(tiny(moe_intermediate_size=16), perf).experts == "sorted"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -160,8 +160,8 @@ def test_sorted_experts_match_hf_grouped_mm(dtype):
     hf = tiny(moe_intermediate_size=16).to(dtype)  # grouped_mm wants 16-byte strides
     hf.set_experts_implementation("grouped_mm")
     ours = copy.deepcopy(hf)
-    kernels.use_experts(ours, "sorted")
-    assert ours.config._experts_implementation == kernels.SORTED_EXPERTS
+    fastpaths.use_experts(ours, "sorted")
+    assert ours.config._experts_implementation == fastpaths.SORTED_EXPERTS
     inputs, targets = batch(size=3)
     losses = []
     for model in (hf, ours):
@@ -196,7 +196,7 @@ def test_compiled_layers_train_like_eager_layers(dtype):
     sorted experts: same loss, gradients, expert counts and sequence-wise aux loss as eager
     with HF's experts. In bf16 (the GPU's default) one graph per layer, no graph break; in
     other dtypes the sorted experts run eagerly between the graphs, and only they (dynamo in
-    torch 2.11 on an H200 zeroed their fp32 gradients; see kernels.sorted_experts_forward)."""
+    torch 2.11 on an H200 zeroed their fp32 gradients; see fastpaths.sorted_experts_forward)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -208,16 +208,16 @@ def test_compiled_layers_train_like_eager_layers(dtype):
     torch._dynamo.reset()
     counters.clear()
     for model, perf in (
-        (eager, kernels.Perf(False, "sdpa", 0, False)),
+        (eager, fastpaths.Perf(False, "sdpa", 0, False)),
         (
             compiled,
-            kernels.Perf(
+            fastpaths.Perf(
                 True, "flash_padded", 16, False, experts="sorted", compile_router_hooks=True
             ),
         ),
     ):
         balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
-        kernels.apply(model, perf, balancer)
+        fastpaths.apply(model, perf, balancer)
         trainee = TrainingLM(model, ce_chunk=perf.ce_chunk)
         for _ in range(2):  # the second call runs the cached graphs
             model.zero_grad(set_to_none=True)
@@ -235,7 +235,7 @@ def test_compiled_layers_train_like_eager_layers(dtype):
         assert counters["stats"]["unique_graphs"] == 3
     else:
         assert breaks and all("_sorted_experts" in reason for reason in breaks), breaks
-    assert compiled.config._experts_implementation == kernels.SORTED_EXPERTS
+    assert compiled.config._experts_implementation == fastpaths.SORTED_EXPERTS
     (loss_e, aux_e, counts_e, _), (loss_c, aux_c, counts_c, _) = runs
     assert counts_e.sum() > 0 and torch.equal(counts_c.sum(1), counts_e.sum(1))
     if dtype == torch.float32:
@@ -287,7 +287,7 @@ def test_activation_checkpointing_recomputes_the_same_gradients():
     for model, on in ((plain, False), (checkpointed, True)):
         model.train()
         balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
-        kernels.apply(model, kernels.Perf(False, "sdpa", 0, False, activation_checkpointing=on))
+        fastpaths.apply(model, fastpaths.Perf(False, "sdpa", 0, False, activation_checkpointing=on))
         loss = TrainingLM(model)(inputs, targets) + balancer.aux_loss()
         loss.backward()
         results.append((loss.detach(), balancer.counts()))
