@@ -1,8 +1,8 @@
 """Host-side cost of a training step, per phase, side by side for train.perf variants (CPU, no GPU).
 
 On the H200 the GPU waits for the host for a large part of each step (docs/performance.md):
-what the host does per step bounds the speed there. This measures that host work where no GPU
-is lent: the `medium` preset's layers and tensors (the same number of parameter tensors and
+what the host does per step bounds the speed there. This measures that host work on a machine
+without a GPU: the `medium` preset's layers and tensors (the same number of parameter tensors and
 ops as the real model; widths divided by 16 so the arithmetic itself is small), the GPU's
 grouped_mm experts, DeepSpeed bf16 on its CPU accelerator, one gloo rank, dsflow's TrainingLM
 and expert balancer, eager (no torch.compile, which on the GPU fuses forward and backward ops).
@@ -24,6 +24,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from dsflow.launch import free_port
 
 # Overlays on the train section (ZeRO-2 unless a variant says otherwise), as in
 # bench/train_throughput.py. ZeRO-1 on this one rank gets no per-parameter gradient hooks
@@ -56,19 +58,21 @@ PHASES = ("forward", "backward", "step")
 
 def measure(config: str, variant: str, steps: int) -> dict:
     """One variant in this process (the parent runs each in its own)."""
+    # Torch and DeepSpeed (and the dsflow modules that import them) load in the child only,
+    # whose environment selects DeepSpeed's CPU accelerator; the parent just starts children.
     import deepspeed
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from dsflow import dsconfig
-    from dsflow.model import fastpaths as kernels
+    from dsflow.model import fastpaths
     from dsflow.model.balance import ExpertBalancer
     from dsflow.model.build import build_model
     from dsflow.model.loss import TrainingLM
     from dsflow.model.presets import model_config
     from dsflow.params import deep_merge, load
     from dsflow.train import fusedgrads
-    from dsflow.train.loop import count_within
+    from dsflow.train.diagnostics import count_within
 
     deepspeed.init_distributed(dist_backend="gloo")
     train = deep_merge(load("params.yaml")["train"], {"zero_stage": 2, **VARIANTS[variant]})
@@ -78,7 +82,7 @@ def measure(config: str, variant: str, steps: int) -> dict:
     # The GPU's expert path (grouped_mm, which also runs on CPU), not the CPU's per-expert loop.
     model = build_model(model_config("medium", 512, overrides), device_type="cuda")
     balancer = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=1e-4)
-    perf = kernels.resolve(train["perf"], "cpu", train["zero_stage"], "bf16")
+    perf = fastpaths.resolve(train["perf"], "cpu", train["zero_stage"], "bf16")
     ds_config = dsconfig.build(train, dsconfig.Batch(2, 1, 1), 1000, "cpu")
     engine, *_ = deepspeed.initialize(
         model=TrainingLM(model), model_parameters=list(model.parameters()), config=ds_config
@@ -137,7 +141,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         print(json.dumps(measure(*args.child, args.steps)))
-        from dsflow.train.loop import shutdown
+        from dsflow.train.loop import shutdown  # imports torch: the child's only, as above
 
         return shutdown(0)
     env = {
@@ -149,8 +153,6 @@ def main() -> int:
         "LOCAL_RANK": "0",
         "WORLD_SIZE": "1",
     }
-    from dsflow.launch import free_port
-
     print(f"{'config':<7} {'variant':<14} " + " ".join(f"{p + ' ms/ops':>18}" for p in PHASES)
           + f" {'host ms':>8} {'x first':>8}")  # fmt: skip
     results: dict[str, dict] = {}

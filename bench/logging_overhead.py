@@ -1,7 +1,7 @@
 """The train stage's per-step metric logging: DVCLive as is against dsflow's Logger, side by side.
 
 DVCLive 3.49 re-reads every metric's TSV at each step for DVC Studio, even when Studio is not
-set up; the train stage's Logger (dsflow.train.loop) leaves that out then. Both log the 12 metrics
+set up; the train stage's Logger (dsflow.train.metrics) leaves that out then. Both log the 12 metrics
 the train stage logs per step into their own temporary directory; printed: the mean host time
 per step's logging around a few step counts, and the ratio.
 
@@ -23,7 +23,7 @@ def run(kind: str, steps: int) -> dict[int, float]:
     import dvclive.live
     from dvclive import Live
 
-    from dsflow.train.loop import Logger
+    from dsflow.train.metrics import Logger
 
     os.chdir(tempfile.mkdtemp(prefix=f"bench-logging-{kind}-"))
     if kind == "dsflow":

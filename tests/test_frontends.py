@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -147,3 +150,52 @@ def test_drift_is_detected(tmp_path):
     assert "download: missing from dvc.yaml" in diffs
     assert any(d.startswith("train.outs") for d in diffs)
     assert any("persistent out models/final" in d for d in diffs)
+
+
+def test_dvc_outs_are_the_paths_dsflow_names():
+    """Every output dvc.yaml declares is a path of dsflow.paths, the one place that names them."""
+    from dsflow import paths
+
+    named = {str(v) for v in vars(paths).values() if isinstance(v, Path)}
+    outs = {o for stage in dvc_stages().values() for o in stage["outs"] + stage["persist"]}
+    assert sorted(outs - named) == []
+
+
+# A string that is a run-directory path and nothing else (messages that mention one are not).
+RUN_PATH = re.compile(r"^(data|models|checkpoints|reports|metrics|dvclive|logs)(/[\w.{}-]*)*/?$")
+
+
+def run_paths(tree: ast.AST) -> list[ast.Constant]:
+    """Run-directory paths spelled in `tree`: a string like "data/raw", or a bare top folder
+    given to Path() or as a default argument ("logs" alone is also a word: a dict key, a
+    profiler phase)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if "/" in node.value and RUN_PATH.match(node.value):
+                found.append(node)
+            continue
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Path":
+            args = node.args
+        elif isinstance(node, ast.arguments):
+            args = node.defaults + [d for d in node.kw_defaults if d is not None]
+        else:
+            continue
+        found += [a for a in args if isinstance(a, ast.Constant) and RUN_PATH.match(str(a.value))]
+    return found
+
+
+def test_only_paths_py_spells_a_run_directory_path():
+    spelled = []
+    for path in sorted((ROOT / "workflow" / "dsflow").rglob("*.py")):
+        if path.name != "paths.py":
+            for node in run_paths(ast.parse(path.read_text())):
+                spelled.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert spelled == []
+    # The check sees each spelling.
+    code = 'a = Path("logs")\nb = open("data/raw/x.json")\nc = "data"\ndef f(d="dvclive"): pass'
+    assert sorted(n.value for n in run_paths(ast.parse(code))) == [
+        "data/raw/x.json",
+        "dvclive",
+        "logs",
+    ]

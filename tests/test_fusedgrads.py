@@ -24,7 +24,7 @@ RANK_SCRIPT = textwrap.dedent(
     import torch
     import deepspeed
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    from dsflow import fusedgrads
+    from dsflow.train import fusedgrads
 
     stage, precision, device, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     assert deepspeed.get_accelerator().device_name() == device, "DS_ACCELERATOR disagrees"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dsflow.paths import LOGS
+
 log = logging.getLogger("dsflow")
 
 
@@ -31,7 +33,7 @@ def bar(
     )
 
 
-def setup_logging(stage: str, log_dir: str | Path = "logs", append: bool = False) -> None:
+def setup_logging(stage: str, log_dir: str | Path = LOGS, append: bool = False) -> None:
     """Messages go to stderr and to logs/<stage>.log (the log file Snakemake declares)."""
     if os.environ.get("DSFLOW_PROGRESS", "1") == "0":
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
