@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train-stage runs on one GPU whose measured peak memory checks dsflow's planner (plan.py):
+# Train-stage runs on one GPU whose measured peak memory checks dsflow's planner (dsflow.plan):
 # dense vs MoE, two micro batches, plus the `small` preset run. Results land in $OUT (or ./out).
 #   bash bench/gpu_memory_runs.sh
 set -uo pipefail
@@ -20,8 +20,8 @@ print(f"{sys.argv[2]:<16} tok/s {m['tokens_per_s']:>9.0f}  MFU {100 * (m['mfu'] 
       f"val {m['val_loss']:.3f}  wall {m['wall_s']:.0f}s")
 PY
 }
-# The planner-accuracy table (docs/performance.md) was measured at ZeRO-2 with HF's experts,
-# the defaults then: every run pins them.
+# The planner-accuracy table (docs/performance.md) is measured at ZeRO-2 with HF's experts:
+# every run pins them, so it reproduces whatever the defaults are.
 short='train:
   gpus: 1
   zero_stage: 2

@@ -1,9 +1,9 @@
 """The train stage's per-step metric logging: DVCLive as is against dsflow's Logger, side by side.
 
 DVCLive 3.49 re-reads every metric's TSV at each step for DVC Studio, even when Studio is not
-set up; the train stage's Logger (dsflow.train.metrics) leaves that out then. Both log the 12 metrics
-the train stage logs per step into their own temporary directory; printed: the mean host time
-per step's logging around a few step counts, and the ratio.
+set up; the train stage's Logger (dsflow.train.metrics) leaves that out then. Both log the 12
+metrics the train stage logs per step into their own temporary directory; printed: the mean host
+time per step's logging around a few step counts, and the ratio.
 
     python bench/logging_overhead.py --steps 2000
 """
@@ -15,16 +15,16 @@ import os
 import tempfile
 import time
 
+import dvclive.live
+from dvclive import Live
+
+from dsflow.train.metrics import Logger
+
 METRICS = 12
 
 
 def run(kind: str, steps: int) -> dict[int, float]:
     """Seconds each step's logging took, by step."""
-    import dvclive.live
-    from dvclive import Live
-
-    from dsflow.train.metrics import Logger
-
     os.chdir(tempfile.mkdtemp(prefix=f"bench-logging-{kind}-"))
     if kind == "dsflow":
         logger = Logger(0, steps, resumed=False)

@@ -5,7 +5,7 @@ Forward + backward of a `DeepseekV3MoE` (router, 64 routed experts top-6, 2 shar
 micro 16 x seq 1024 tokens in bf16: median ms over the timed repetitions, the ratio to the
 first variant, peak memory, and how far each variant's output and gradients are from the
 first's (relative max difference: bf16 rounding, since the two sum in other orders). With
---profile, the top kernels of each variant by device time.
+--profile, the top kernels of each variant by their GPU time.
 
     python bench/moe_layer.py
     python bench/moe_layer.py --variants hf,sorted,hf-compiled,sorted-compiled --profile
@@ -19,6 +19,10 @@ import statistics
 import time
 
 import torch
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+from dsflow.model import fastpaths
+from dsflow.model.presets import model_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke test of the script
 
@@ -29,11 +33,6 @@ def sync() -> None:
 
 
 def build(experts: str, compiled: bool):
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-
-    from dsflow.model import fastpaths as kernels
-    from dsflow.model.presets import model_config
-
     config = model_config("medium", 3489, {})
     config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
@@ -44,9 +43,9 @@ def build(experts: str, compiled: bool):
     if experts == "sorted":
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-        ALL_EXPERTS_FUNCTIONS.register(kernels.SORTED_EXPERTS, kernels.sorted_experts_forward)
+        ALL_EXPERTS_FUNCTIONS.register(fastpaths.SORTED_EXPERTS, fastpaths.sorted_experts_forward)
         block.experts.config = copy.copy(config)
-        block.experts.config._experts_implementation = kernels.SORTED_EXPERTS
+        block.experts.config._experts_implementation = fastpaths.SORTED_EXPERTS
     if compiled:
         block.compile(dynamic=False)
     return block

@@ -25,11 +25,13 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from dsflow.data import grammar, tokenizing  # noqa: E402
+from dsflow.data.tokenizer import train_bpe  # noqa: E402
 
 
 def _docs(args):
-    from dsflow.data import grammar
-
     start, n = args
     return [grammar.generate(1234, i)[0] for i in range(start, start + n)]
 
@@ -51,8 +53,6 @@ def make_corpus(path: Path, mb: float) -> tuple[int, int]:
 
 
 def train_tokenizer(corpus: Path, out: Path) -> int:
-    from dsflow.data.tokenizer import train_bpe
-
     texts = pq.read_table(corpus).column("text").to_pylist()[:10000]
     tok = train_bpe([texts], len(texts), 4096, 2)
     tok.save_pretrained(out)
@@ -60,8 +60,6 @@ def train_tokenizer(corpus: Path, out: Path) -> int:
 
 
 def plain_loop(corpus: Path, tokenizer_dir: Path, batch_size: int) -> float:
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     texts = pq.read_table(corpus).column("text").to_pylist()
     t0 = time.perf_counter()
@@ -72,8 +70,6 @@ def plain_loop(corpus: Path, tokenizer_dir: Path, batch_size: int) -> float:
 
 
 def _plain_part(args) -> None:
-    from tokenizers import Tokenizer
-
     tokenizer_json, texts, batch_size = args
     tok = Tokenizer.from_file(tokenizer_json)
     for i in range(0, len(texts), batch_size):
@@ -96,14 +92,12 @@ def plain_two_processes(corpus: Path, tokenizer_dir: Path, batch_size: int) -> f
 def stage(
     corpus: Path, tokenizer_dir: Path, eos: int, num_proc: int, batch_size: int, work: Path
 ) -> float:
-    from dsflow.data import tokenizing as tokenize
-
-    tokenize.TOKENIZER = tokenizer_dir
+    tokenizing.TOKENIZER = tokenizer_dir
     out = work / f"stage{num_proc}"
     shutil.rmtree(out, ignore_errors=True)
     (out / "cache").mkdir(parents=True)
     t0 = time.perf_counter()
-    tokenize.tokenize_split(
+    tokenizing.tokenize_split(
         corpus,
         out / "train.parquet",
         out / "cache",

@@ -14,12 +14,11 @@ the same data, seed, batch and sequence length) twice:
   late; `no-overlap` changes nothing there: use `zero2+no-overlap`);
 - optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
   `no-fused-ce`, `no-prefetch`, `no-fused-checks`) to see what each gives, an opt-in one on
-  (`cudagraphs`), a ZeRO stage (`zero2`, the default before `auto`; `zero1`, `zero0`: one GPU
-  has nothing to partition; `zero1` without DeepSpeed's per-parameter gradient hooks, as
+  (`cudagraphs`), a ZeRO stage (`zero2`; `zero1`, `zero0`: one GPU has nothing to partition; `zero1` without DeepSpeed's per-parameter gradient hooks, as
   train.zero's auto has it on one rank, `zero1-hooks` with them) or DeepSpeed's overlap_comm
   off (`no-overlap`); the MoE levers off: `hf-experts` (train.perf.experts: hf), `eager-hooks`
   (train.perf.compile_router_hooks: false); `sorted-experts`, `compiled-hooks` and
-  `sorted-compiled-hooks` turn them on (defaults since the sixth session, opt-in before);
+  `sorted-compiled-hooks` turn them on whatever `auto` would pick;
   `fused-optimizer` (train.perf.optimizer: fused, at ZeRO-0: the default on one GPU),
   `deepspeed-optimizer` (DeepSpeed's bf16 optimizer: then `zero_stage: auto` is ZeRO-1 on one
   GPU), `sync-metrics` (train.perf.async_metrics: false: each step's numbers read at once).
@@ -60,7 +59,11 @@ from pathlib import Path
 
 import yaml
 
+from dsflow.model import flops
 from dsflow.model.fastpaths import DEFAULT_CE_CHUNK
+from dsflow.model.presets import model_config
+from dsflow.params import deep_merge
+from dsflow.train.stage import vocab_size
 
 SEQ, MICRO = 1024, 16
 CONFIGS = {
@@ -92,7 +95,7 @@ VARIANTS = {
     "no-fused-checks": {"perf": {"fused_grad_checks": False}},
     "hf-experts": {"perf": {"experts": "hf"}},
     "eager-hooks": {"perf": {"compile_router_hooks": False}},
-    # the defaults since the sixth session; before, opt-in
+    # the MoE levers on explicitly (params.yaml's defaults pick them where they apply)
     "sorted-experts": {"perf": {"experts": "sorted"}},
     "compiled-hooks": {"perf": {"compile_router_hooks": True}},
     "sorted-compiled-hooks": {"perf": {"experts": "sorted", "compile_router_hooks": True}},
@@ -102,7 +105,7 @@ VARIANTS = {
     "zero1-hooks": {"zero_stage": 1, "zero": {"overlap_comm": True, "contiguous_gradients": True}},
     "zero0": {"zero_stage": 0},
     # dsflow's fused AdamW with fp32 masters instead of DeepSpeed's bf16 optimizer; with
-    # zero_stage auto that is ZeRO-0; the default on one GPU since the eighth session
+    # zero_stage auto that is ZeRO-0; the default on one GPU
     "fused-optimizer": {"perf": {"optimizer": "fused"}},
     "deepspeed-optimizer": {"perf": {"optimizer": "deepspeed"}},
     # each step's numbers read at once (a host sync per step), not one step late
@@ -114,7 +117,7 @@ VARIANTS = {
 # so SDPA takes its flash kernel; the lm_head + cross-entropy in chunks: the same math, tested on
 # CPU, rounded differently). How far these curves drift from the baseline's and from each other
 # is the bf16 noise the other runs are judged against. One such draw can come out small by
-# chance (on one H200: MoE 0.23/0.50% where two rounding-only runs differed by up to 3.15%).
+# chance, well below how far two rounding-only runs can drift apart: every pair counts.
 NOISE = {
     "noise": {"attention": "flash_padded"},
     "noise-ce": {"ce_chunk": DEFAULT_CE_CHUNK},
@@ -126,8 +129,6 @@ REFERENCES = ("baseline", *NOISE)
 
 def variant(name: str) -> dict:
     """The overlay of a variant; `a+b` stacks b's overlay on a's (e.g. zero1+sorted-experts)."""
-    from dsflow.params import deep_merge
-
     parts = name.split("+")
     unknown = [p for p in parts if p not in VARIANTS]
     if unknown:
@@ -192,8 +193,8 @@ def run_stage(
         "eval_batches": 2,
         "checkpoint_every": steps,
         "peak_tflops": peak,
-        # Below the edge of stability: at 6e-4 single-step loss spikes near the end of the
-        # warm-up came and went with rounding, and swamped the comparison of the two curves.
+        # Below the edge of stability: at 6e-4, single-step loss spikes near the end of the
+        # warm-up come and go with rounding and swamp the comparison of the two curves.
         "optimizer": {"lr": 3e-4},
     }
     train.update(variant)
@@ -244,11 +245,9 @@ def run_stage(
 
 
 def flops_per_token(config: dict) -> float:
-    from dsflow.model.flops import flops_per_token as fpt
-    from dsflow.model.presets import model_config
-    from dsflow.train.stage import vocab_size
-
-    return fpt(model_config(config["preset"], vocab_size(), config["overrides"]), SEQ)
+    return flops.flops_per_token(
+        model_config(config["preset"], vocab_size(), config["overrides"]), SEQ
+    )
 
 
 def smoothed(curve: dict[int, float], steps: list[int], width: int = SMOOTH) -> list[float]:
@@ -292,7 +291,7 @@ def tolerance(noise: tuple[float, float] | None) -> tuple[float, float]:
     return NOISE_FACTOR * noise[0] + FLOOR_MEAN, NOISE_FACTOR * noise[1] + FLOOR_MAX
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="dense,moe")
     ap.add_argument("--steps", type=int, default=80)
@@ -310,63 +309,62 @@ def main() -> int:
         "but the baseline and noise runs)",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return ap.parse_args()
 
+
+def run_config(cname: str, args: argparse.Namespace, peak: float, out: Path, results: dict) -> dict:
+    """Every variant of config `cname`, each saved into results.json as soon as it finishes."""
+    config = CONFIGS[cname]
+    fpt = flops_per_token(config)
+    runs = results["runs"][cname] = {}
     for vname in args.variants.split(","):
-        variant(vname)  # a wrong name stops here, not after the runs before it
-    peak = matmul_peak_tflops()
-    print(f"bf16 matmul peak, measured: {peak:.0f} TFLOP/s (8192^3, median of 20)", flush=True)
-    results = {"peak_tflops": peak, "runs": {}}
-    rows = []
-    for cname in args.configs.split(","):
-        config = CONFIGS[cname]
-        fpt = flops_per_token(config)
-        runs = results["runs"][cname] = {}
-        for vname in args.variants.split(","):
-            name = f"{cname}-{vname}"
-            print(f"running {name} ...", flush=True)
-            profile = vname in args.profile.split(",") or (
-                args.profile == "all" and vname not in REFERENCES
-            )
-            r = run_stage(name, config, variant(vname), args.steps, peak, out, profile)
-            if r.get("failed"):
-                continue
-            r["tokens_per_s"] = MICRO * SEQ / r["step_s"]
-            r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12)
-            runs[vname] = r
-            print(
-                f"  {name}: {r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%, "
-                f"step {1e3 * r['step_s']:.1f} ms, peak {r['peak_gb']:.1f} GB, "
-                f"data wait {100 * r['data_wait']:.2f}%, wall {r['wall_s']:.0f} s",
-                flush=True,
-            )
-            # every finished run on disk at once: a call cut short by its time limit keeps them
-            (out / "results.json").write_text(json.dumps(results, indent=2))
-        base = runs.get("baseline")
-        if base:
-            shown = [s for s in range(1, COMPARE_STEPS + 1) if s == 1 or s % 5 == 0]
-            print("  loss at steps " + " ".join(f"{s:>6}" for s in shown))
-            for vname, r in runs.items():
-                print(f"  {vname:<13}" + " ".join(f"{r['loss'].get(s, 0):6.3f}" for s in shown))
-        noise_d = noise_level(runs)
-        tol = tolerance(noise_d)
-        for vname, r in runs.items():
-            d = loss_agreement(base["loss"], r["loss"]) if base and vname != "baseline" else None
-            r["loss_mean_rel_diff"], r["loss_max_smoothed_rel_diff"] = d or (None, None)
-            # Judged: every run but the references (a run with no losses disagrees).
-            judged = base is not None and vname not in REFERENCES
-            r["loss_agrees"] = (
-                (d is not None and d[0] <= tol[0] and d[1] <= tol[1]) if judged else None
-            )
-            rows.append((cname, vname, r, base))
-        results.setdefault("loss_tolerance", {})[cname] = {
-            "mean": tol[0], "max_smoothed": tol[1], "from_noise_run": noise_d is not None,
-            "noise": noise_d
-        }  # fmt: skip
+        name = f"{cname}-{vname}"
+        print(f"running {name} ...", flush=True)
+        profile = vname in args.profile.split(",") or (
+            args.profile == "all" and vname not in REFERENCES
+        )
+        r = run_stage(name, config, variant(vname), args.steps, peak, out, profile)
+        if r.get("failed"):
+            continue
+        r["tokens_per_s"] = MICRO * SEQ / r["step_s"]
+        r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12)
+        runs[vname] = r
+        print(
+            f"  {name}: {r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%, "
+            f"step {1e3 * r['step_s']:.1f} ms, peak {r['peak_gb']:.1f} GB, "
+            f"data wait {100 * r['data_wait']:.2f}%, wall {r['wall_s']:.0f} s",
+            flush=True,
+        )
+        # Every finished run on disk at once: a bench stopped by a time limit keeps them.
         (out / "results.json").write_text(json.dumps(results, indent=2))
+    return runs
 
+
+def judge_config(cname: str, runs: dict, results: dict, rows: list) -> None:
+    """Each run's loss difference from the baseline and its verdict, against the tolerance
+    the reference runs give; appends the config's table rows to `rows`."""
+    base = runs.get("baseline")
+    if base:
+        shown = [s for s in range(1, COMPARE_STEPS + 1) if s == 1 or s % 5 == 0]
+        print("  loss at steps " + " ".join(f"{s:>6}" for s in shown))
+        for vname, r in runs.items():
+            print(f"  {vname:<13}" + " ".join(f"{r['loss'].get(s, 0):6.3f}" for s in shown))
+    noise_d = noise_level(runs)
+    tol = tolerance(noise_d)
+    for vname, r in runs.items():
+        d = loss_agreement(base["loss"], r["loss"]) if base and vname != "baseline" else None
+        r["loss_mean_rel_diff"], r["loss_max_smoothed_rel_diff"] = d or (None, None)
+        # Judged: every run but the references (a run with no losses disagrees).
+        judged = base is not None and vname not in REFERENCES
+        r["loss_agrees"] = (d is not None and d[0] <= tol[0] and d[1] <= tol[1]) if judged else None
+        rows.append((cname, vname, r, base))
+    results.setdefault("loss_tolerance", {})[cname] = {
+        "mean": tol[0], "max_smoothed": tol[1], "from_noise_run": noise_d is not None,
+        "noise": noise_d
+    }  # fmt: skip
+
+
+def print_table(rows: list, peak: float) -> None:
     print()
     print(f"measured bf16 peak {peak:.0f} TFLOP/s; seq {SEQ}, micro {MICRO}, 1 GPU, bf16")
     header = (
@@ -390,6 +388,10 @@ def main() -> int:
         f"\nloss d: relative difference from the baseline over the first {COMPARE_STEPS} steps, "
         f"mean per step / largest of {SMOOTH}-step means; ! = outside the tolerance"
     )
+
+
+def print_verdicts(results: dict, rows: list) -> bool:
+    """One line per judged run; True when every judged run agrees with the baseline."""
     ok = True
     for cname, tol in results.get("loss_tolerance", {}).items():
         source = (
@@ -415,7 +417,25 @@ def main() -> int:
                 f"{cname}: {vname} vs baseline {'agree' if r['loss_agrees'] else 'DISAGREE'} "
                 f"(tolerance {100 * tol['mean']:.2f}/{100 * tol['max_smoothed']:.2f}%: {source})"
             )
-    return 0 if ok else 1
+    return ok
+
+
+def main() -> int:
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for vname in args.variants.split(","):
+        variant(vname)  # a wrong name stops here, not after the runs before it
+    peak = matmul_peak_tflops()
+    print(f"bf16 matmul peak, measured: {peak:.0f} TFLOP/s (8192^3, median of 20)", flush=True)
+    results = {"peak_tflops": peak, "runs": {}}
+    rows = []
+    for cname in args.configs.split(","):
+        runs = run_config(cname, args, peak, out, results)
+        judge_config(cname, runs, results, rows)
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+    print_table(rows, peak)
+    return 0 if print_verdicts(results, rows) else 1
 
 
 if __name__ == "__main__":
