@@ -1,4 +1,5 @@
-"""Machine check (dsflow.doctor): real CPU-only facts, and the decision logic on faked facts."""
+"""Machine check (dsflow.doctor, dsflow.checks, dsflow.machine): real CPU-only facts, and the
+decision logic on faked facts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsflow import doctor
+from dsflow import checks, doctor, machine
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
 
@@ -70,8 +71,8 @@ def _no_data(monkeypatch, tmp_path):
 # --------------------------------------------------------------------------- this machine
 
 
-def test_gather_facts_on_this_machine():
-    facts = doctor.gather_facts(".")
+def test_facts_of_this_machine():
+    facts = machine.facts(".")
     assert facts["gpu_count"] == len(facts["gpus"])
     assert facts["disk_free_bytes"] > 0 and facts["host_ram_bytes"] > 0
     assert facts["cpu_count"] >= 1
@@ -79,16 +80,16 @@ def test_gather_facts_on_this_machine():
     assert isinstance(facts["infiniband"], list)
     if not torch.cuda.is_available():
         assert facts["gpus"] == [] and facts["p2p"] == [] and not facts["cuda_available"]
-        assert doctor.nccl_env(facts) == {}  # gloo: no NCCL variables
+        assert machine.nccl_env(facts) == {}  # gloo: no NCCL variables
 
 
 def test_diagnose_cpu_params_on_this_machine_is_ok():
-    facts = doctor.gather_facts(".")
-    checks = doctor.diagnose(facts, _params(device="cpu", gpus=1))
-    by = _by_name(checks)
-    assert all(c.status in (doctor.OK, doctor.WARN, doctor.FAIL) for c in checks)
-    assert [c for c in checks if c.status == doctor.FAIL] == []
-    assert by["device"].status == doctor.OK and "CPU with gloo" in by["device"].detail
+    facts = machine.facts(".")
+    found = checks.diagnose(facts, _params(device="cpu", gpus=1))
+    by = _by_name(found)
+    assert all(c.status in (checks.OK, checks.WARN, checks.FAIL) for c in found)
+    assert [c for c in found if c.status == checks.FAIL] == []
+    assert by["device"].status == checks.OK and "CPU with gloo" in by["device"].detail
     assert {"disk", "host ram", "cpu cores"} <= set(by)
     doctor.run(_params(device="cpu", gpus=1))  # no blockers: returns
 
@@ -98,81 +99,81 @@ def test_diagnose_cpu_params_on_this_machine_is_ok():
 
 def test_three_4090s_without_p2p_warn_and_disable_p2p():
     facts = _facts(RTX4090, RTX4090_MEM, p2p=False)
-    checks = doctor.diagnose(facts, _params("profiles/rtx4090x3.yaml"))
-    by = _by_name(checks)
-    assert by["peer-to-peer"].status == doctor.WARN
+    found = checks.diagnose(facts, _params("profiles/rtx4090x3.yaml"))
+    by = _by_name(found)
+    assert by["peer-to-peer"].status == checks.WARN
     assert "0-1, 0-2, 1-2" in by["peer-to-peer"].detail
     assert "NCCL_P2P_DISABLE=1" in by["peer-to-peer"].fix
     assert "not set" in by["peer-to-peer"].detail
-    assert by["gpu memory"].status == doctor.OK  # medium ZeRO-2 fits the 24 GB cards
-    assert [c for c in checks if c.status == doctor.FAIL] == []
-    assert doctor.nccl_env(facts) == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+    assert by["gpu memory"].status == checks.OK  # medium ZeRO-2 fits the 24 GB cards
+    assert [c for c in found if c.status == checks.FAIL] == []
+    assert machine.nccl_env(facts) == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 
 
 def test_explicit_user_nccl_setting_is_respected():
     facts = _facts(RTX4090, RTX4090_MEM, p2p=False, env={"NCCL_P2P_DISABLE": "0"})
-    assert "NCCL_P2P_DISABLE" not in doctor.nccl_env(facts)
-    check = _by_name(doctor.diagnose(facts, _params("profiles/rtx4090x3.yaml")))["peer-to-peer"]
-    assert check.status == doctor.WARN and "NCCL_P2P_DISABLE=0 is set explicitly" in check.detail
+    assert "NCCL_P2P_DISABLE" not in machine.nccl_env(facts)
+    check = _by_name(checks.diagnose(facts, _params("profiles/rtx4090x3.yaml")))["peer-to-peer"]
+    assert check.status == checks.WARN and "NCCL_P2P_DISABLE=0 is set explicitly" in check.detail
     facts = _facts(RTX4090, RTX4090_MEM, p2p=False, env={"NCCL_P2P_DISABLE": "1"})
-    assert doctor.nccl_env(facts) == {"NCCL_IB_DISABLE": "1"}
-    check = _by_name(doctor.diagnose(facts, _params("profiles/rtx4090x3.yaml")))["peer-to-peer"]
-    assert check.status == doctor.OK
+    assert machine.nccl_env(facts) == {"NCCL_IB_DISABLE": "1"}
+    check = _by_name(checks.diagnose(facts, _params("profiles/rtx4090x3.yaml")))["peer-to-peer"]
+    assert check.status == checks.OK
 
 
 def test_two_visible_for_three_requested_fails_with_fix():
     facts = _facts(RTX4090[:2], RTX4090_MEM, p2p=False)
-    checks = doctor.diagnose(facts, _params("profiles/rtx4090x3.yaml"))
-    check = _by_name(checks)["gpu count"]
-    assert check.status == doctor.FAIL
+    found = checks.diagnose(facts, _params("profiles/rtx4090x3.yaml"))
+    check = _by_name(found)["gpu count"]
+    assert check.status == checks.FAIL
     assert "3 requested but 2 visible" in check.detail and "train.gpus: 2" in check.fix
 
 
 def test_cuda_requested_without_gpus_fails():
-    check = _by_name(doctor.diagnose(_facts([], 0), _params(device="cuda")))["device"]
-    assert check.status == doctor.FAIL and "train.device: cpu" in check.fix
+    check = _by_name(checks.diagnose(_facts([], 0), _params(device="cuda")))["device"]
+    assert check.status == checks.FAIL and "train.device: cpu" in check.fix
 
 
 def test_low_disk_fails():
     facts = _facts(RTX4090, RTX4090_MEM, p2p=False, disk=5 * GB)
-    check = _by_name(doctor.diagnose(facts, _params("profiles/rtx4090x3.yaml")))["disk"]
-    assert check.status == doctor.FAIL
+    check = _by_name(checks.diagnose(facts, _params("profiles/rtx4090x3.yaml")))["disk"]
+    assert check.status == checks.FAIL
     assert "keep_checkpoints" in check.fix and "2 + 1 checkpoint(s)" in check.detail
 
 
 def test_low_host_ram_fails():
     facts = _facts(RTX4090, RTX4090_MEM, p2p=False, ram=8 * GB)
-    check = _by_name(doctor.diagnose(facts, _params("profiles/rtx4090x3.yaml")))["host ram"]
-    assert check.status == doctor.FAIL and "fp32 model" in check.detail
+    check = _by_name(checks.diagnose(facts, _params("profiles/rtx4090x3.yaml")))["host ram"]
+    assert check.status == checks.FAIL and "fp32 model" in check.detail
 
 
 def test_h100s_with_p2p_and_ib_need_no_nccl_overrides():
     facts = _facts(H100, H100_MEM, p2p=True, ib=["mlx5_0", "mlx5_1"])
-    assert doctor.nccl_env(facts) == {}
-    checks = doctor.diagnose(facts, _params(device="cuda", gpus=8, zero_stage=2))
-    by = _by_name(checks)
-    assert by["peer-to-peer"].status == doctor.OK and by["infiniband"].status == doctor.OK
-    assert [c for c in checks if c.status == doctor.FAIL] == []
+    assert machine.nccl_env(facts) == {}
+    found = checks.diagnose(facts, _params(device="cuda", gpus=8, zero_stage=2))
+    by = _by_name(found)
+    assert by["peer-to-peer"].status == checks.OK and by["infiniband"].status == checks.OK
+    assert [c for c in found if c.status == checks.FAIL] == []
 
 
 def test_mixed_gpu_models_warn():
     facts = _facts(RTX4090, RTX4090_MEM, p2p=False)
     facts["gpus"][2] = {"index": 2, "name": "NVIDIA GeForce RTX 3090", "total_memory": 24 * GB}
-    check = _by_name(doctor.diagnose(facts, _params("profiles/rtx4090x3.yaml")))["gpu models"]
-    assert check.status == doctor.WARN and "RTX 3090" in check.detail
+    check = _by_name(checks.diagnose(facts, _params("profiles/rtx4090x3.yaml")))["gpu models"]
+    assert check.status == checks.WARN and "RTX 3090" in check.detail
 
 
 def test_model_that_does_not_fit_is_a_blocker():
     params = _params("profiles/rtx4090x3.yaml")
     params["model"]["preset"] = "deepseek-v2"
     facts = _facts(RTX4090, RTX4090_MEM, p2p=False)
-    check = _by_name(doctor.diagnose(facts, params))["gpu memory"]
-    assert check.status == doctor.FAIL and "16-bit weights" in check.detail
+    check = _by_name(checks.diagnose(facts, params))["gpu memory"]
+    assert check.status == checks.FAIL and "16-bit weights" in check.detail
 
 
 def test_run_raises_one_line_on_blockers(monkeypatch, capsys):
     facts = _facts(RTX4090[:2], RTX4090_MEM, p2p=False, disk=1 * GB)
-    monkeypatch.setattr(doctor, "gather_facts", lambda project_dir=".": copy.deepcopy(facts))
+    monkeypatch.setattr(machine, "facts", lambda project_dir=".": copy.deepcopy(facts))
     with pytest.raises(UsageError) as err:
         doctor.run(_params("profiles/rtx4090x3.yaml"))
     msg = str(err.value)

@@ -8,14 +8,15 @@ import pytest
 import yaml
 
 from conftest import ROOT, dsflow, update_params
-from dsflow import launch
-from dsflow import params as P
+from dsflow import checks, launch
+from dsflow import params as params_mod
 from dsflow.errors import UsageError
+from dsflow.plan import request
 
 
 def train_params(**overrides) -> dict:
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    return P.validate(P.deep_merge(raw, {"train": overrides}))["train"]
+    return params_mod.validate(params_mod.deep_merge(raw, {"train": overrides}))["train"]
 
 
 def fails(train, env=None, ranks=2) -> str:
@@ -201,24 +202,21 @@ def test_train_stage_refuses_an_incomplete_multi_node_run(prepared, tmp_path):
 
 
 def test_plan_and_doctor_count_the_ranks_of_every_node(monkeypatch, tmp_path):
-    from dsflow import doctor
-    from dsflow.plan import stage as plan
-
     monkeypatch.chdir(tmp_path)
-    params = P.validate(
-        P.deep_merge(
+    params = params_mod.validate(
+        params_mod.deep_merge(
             yaml.safe_load((ROOT / "params.yaml").read_text()),
             {"train": {"device": "cuda", "gpus": 4, "nodes": 2}},
         )
     )
     h100 = {"name": "NVIDIA H100 80GB HBM3", "total_memory": 80 * 10**9}
-    req = plan.resolve(params, None, gpus=[h100] * 4)
+    req = request.resolve(params, None, gpus=[h100] * 4)
     assert req.world == 8  # ZeRO partitions over 2 nodes x 4 GPUs
-    assert plan.resolve(params, None, world=3, gpus=[h100] * 4).world == 3
+    assert request.resolve(params, None, world=3, gpus=[h100] * 4).world == 3
     seen = []
-    monkeypatch.setattr(doctor, "_plan_for", lambda facts, p, world: seen.append(world) or {})
-    monkeypatch.setattr(doctor, "_resource_checks", lambda *a: [])
+    monkeypatch.setattr(checks, "plan_for", lambda facts, p, world: seen.append(world) or {})
+    monkeypatch.setattr(checks, "_resource_checks", lambda *a: [])
     facts = {"gpu_count": 4, "gpus": [{**h100, "index": i} for i in range(4)], "env": {}}
-    checks = {c.name: c for c in doctor.diagnose(facts, params)}
+    found = {c.name: c for c in checks.diagnose(facts, params)}
     assert seen == [8]
-    assert checks["infiniband"].status == doctor.WARN and "TCP" in checks["infiniband"].detail
+    assert found["infiniband"].status == checks.WARN and "TCP" in found["infiniband"].detail

@@ -177,13 +177,13 @@ def test_perf_optimizer_resolves_where_it_applies():
 def test_planner_and_train_stage_agree_on_the_optimizer(
     value, precision, offload, ds_config, world
 ):
-    """Two places decide: the planner (`plan.fused_optimizer_wanted`, before a ZeRO stage is
+    """Two places decide: the planner (`plan.request.fused_optimizer_wanted`, before a ZeRO stage is
     chosen, so `zero_stage: auto` can pick ZeRO-0) and the train stage (`optimizer_choice`,
     given the stage). On GPUs, wherever the planner wants the fused optimizer at the stage it
     picks, the train stage takes it, and nowhere else with `auto`."""
     from dsflow.errors import UsageError
     from dsflow.model.fastpaths import optimizer_choice
-    from dsflow.plan.stage import auto_first_stage, fused_optimizer_wanted
+    from dsflow.plan.request import auto_first_stage, fused_optimizer_wanted
 
     train = {
         "precision": precision,
@@ -283,17 +283,17 @@ def test_the_planner_counts_no_fp32_gradient_copies_for_it():
     """ZeRO-0 bf16 with DeepSpeed's optimizer holds fp32 copies of all gradients at the step
     (FP16_Optimizer's flat buffers); the fused optimizer reads the bf16 ones."""
     from dsflow.model.presets import model_config
-    from dsflow.plan.stage import estimate
+    from dsflow.plan.memory import Setup, estimate
 
     config = model_config("small", 4096, {})
     kw = {"seq_len": 1024, "micro_batch": 1, "world": 1, "zero_stage": 0, "precision": "bf16"}
-    ds, fused = estimate(config, **kw), estimate(config, fused_optimizer=True, **kw)
+    ds, fused = estimate(config, Setup(**kw)), estimate(config, Setup(fused_optimizer=True, **kw))
     assert fused["gpu"]["gradients_fp32_step"] == 0 < ds["gpu"]["gradients_fp32_step"]
     assert fused["gpu"]["total"] <= ds["gpu"]["total"]
     # Only at ZeRO-0 in bf16: elsewhere the flag changes nothing.
     for other in ({"zero_stage": 1}, {"precision": "fp32"}):
-        assert estimate(config, **{**kw, **other}, fused_optimizer=True) == estimate(
-            config, **{**kw, **other}
+        assert estimate(config, Setup(**{**kw, **other}, fused_optimizer=True)) == estimate(
+            config, Setup(**{**kw, **other})
         )
 
 

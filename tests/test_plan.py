@@ -1,4 +1,4 @@
-"""Memory / compute planner (dsflow.plan.stage): shapes, ZeRO semantics, DeepSpeed cross-check, the
+"""Memory / compute planner (dsflow.plan): shapes, ZeRO semantics, DeepSpeed cross-check, the
 activation model against autograd, strategies, and the stage's report file."""
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import torch
 
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
+from dsflow.model.balance import ExpertBalancer
+from dsflow.model.flops import flops_per_token
+from dsflow.model.loss import mean_loss
 from dsflow.model.presets import PRESETS, model_config, param_counts
-from dsflow.plan import stage as plan
+from dsflow.plan import layouts, memory, request, stage, tables
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 10**9
@@ -29,7 +32,7 @@ def _published(preset: str):
 def _est(config, **kw):
     base = dict(seq_len=1024, micro_batch=4, world=3, zero_stage=2, precision="bf16")
     base.update(kw)
-    return plan.estimate(config, **base)
+    return memory.estimate(config, memory.Setup(**base))
 
 
 def _params(*profiles: str) -> dict:
@@ -38,7 +41,7 @@ def _params(*profiles: str) -> dict:
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
+    stage.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -76,13 +79,13 @@ def _meta_largest(config) -> tuple[int, int]:
 )
 def test_largest_module_matches_the_model(preset, overrides):
     config = model_config(preset, 1000, overrides)
-    module, _, param, _ = plan.largest_module(config)
+    module, _, param, _ = memory.largest_module(config)
     assert (module, param) == _meta_largest(config)
 
 
 def test_v3_expert_bank_is_one_module():
     """HF fuses a layer's 256 experts into one module: ZeRO-3 gathers 11.3B params at once."""
-    module, name, _, _ = plan.largest_module(_published("deepseek-v3"))
+    module, name, _, _ = memory.largest_module(_published("deepseek-v3"))
     assert module == 256 * 3 * 7168 * 2048 and "experts" in name
 
 
@@ -94,9 +97,6 @@ def _measured_saved_bytes(config, micro, seq, dtype) -> int:
     CPU has and the grouped_mm experts path CUDA uses."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AutoModelForCausalLM
-
-    from dsflow.model.balance import ExpertBalancer
-    from dsflow.model.loss import mean_loss
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
@@ -138,7 +138,7 @@ def test_saved_activations_match_autograd(preset, overrides, precision):
     config = model_config(preset, 1000, overrides)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     measured = _measured_saved_bytes(config, 2, 64, dtype)
-    predicted = plan.activation_bytes(config, seq_len=64, micro_batch=2, precision=precision)
+    predicted = memory.activation_bytes(config, seq_len=64, micro_batch=2, precision=precision)
     assert predicted["saved_no_checkpointing"] == pytest.approx(measured, rel=0.02)
 
 
@@ -148,7 +148,7 @@ def test_activation_checkpointing_reduces_activations():
         plain = _est(config)["gpu"]["activations"]
         ckpt = _est(config, activation_checkpointing=True)["gpu"]["activations"]
         assert ckpt < plain / 2
-    acts = plan.activation_bytes(model_config("medium", 32000), seq_len=1024, micro_batch=4,
+    acts = memory.activation_bytes(model_config("medium", 32000), seq_len=1024, micro_batch=4,
                                  precision="bf16")  # fmt: skip
     assert acts["saved_checkpointing"] < acts["saved_no_checkpointing"]
     # the fp32 cross-entropy peak: 3 fp32 vocab rows per token
@@ -157,8 +157,8 @@ def test_activation_checkpointing_reduces_activations():
 
 def test_activations_scale_with_tokens():
     config = model_config("small", 32000)
-    a4 = plan.activation_bytes(config, seq_len=1024, micro_batch=4, precision="bf16")
-    a8 = plan.activation_bytes(config, seq_len=1024, micro_batch=8, precision="bf16")
+    a4 = memory.activation_bytes(config, seq_len=1024, micro_batch=4, precision="bf16")
+    a8 = memory.activation_bytes(config, seq_len=1024, micro_batch=8, precision="bf16")
     assert a8["layers"] == pytest.approx(2 * a4["layers"], rel=0.01)
     assert a8["logits_peak"] == 2 * a4["logits_peak"]
 
@@ -169,7 +169,7 @@ def test_activations_scale_with_tokens():
 def test_v2_zero2_on_three_4090s_is_refused_with_the_weights_size():
     est = _est(_published("deepseek-v2"))
     assert est["gpu"]["weights"] == 2 * param_counts(_published("deepseek-v2"))["total"]
-    fits, reason = plan.verdict(est, CARD)
+    fits, reason = layouts.verdict(est, CARD)
     assert not fits
     assert "16-bit weights" in reason and "every GPU" in reason
     assert re.search(r"47[12]\.\d GB", reason), reason
@@ -179,7 +179,7 @@ def test_v2_zero2_on_three_4090s_is_refused_with_the_weights_size():
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_medium_fits_three_24gb_cards_under_zero2(precision):
     est = _est(model_config("medium", 32000), precision=precision)
-    fits, reason = plan.verdict(est, CARD)
+    fits, reason = layouts.verdict(est, CARD)
     assert fits, reason
     assert 8 * GB < est["gpu"]["total"] < CARD
     assert reason.startswith("fits")
@@ -187,8 +187,8 @@ def test_medium_fits_three_24gb_cards_under_zero2(precision):
 
 def test_medium_micro16_does_not_fit_but_checkpointing_does():
     config = model_config("medium", 32000)
-    assert not plan.verdict(_est(config, micro_batch=16), CARD)[0]
-    assert plan.verdict(_est(config, micro_batch=16, activation_checkpointing=True), CARD)[0]
+    assert not layouts.verdict(_est(config, micro_batch=16), CARD)[0]
+    assert layouts.verdict(_est(config, micro_batch=16, activation_checkpointing=True), CARD)[0]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "medium", "deepseek-v2-lite", "deepseek-v3"])
@@ -197,8 +197,8 @@ def test_medium_micro16_does_not_fit_but_checkpointing_does():
 def test_zero_stages_are_monotone(preset, precision, world):
     config = model_config(preset, PRESETS[preset].get("published_vocab_size", 32000))
     states = []
-    for stage in (0, 1, 2, 3):
-        g = _est(config, zero_stage=stage, precision=precision, world=world)["gpu"]
+    for zero in (0, 1, 2, 3):
+        g = _est(config, zero_stage=zero, precision=precision, world=world)["gpu"]
         states.append(g["weights"] + g["gradients"] + g["optimizer"])
     if precision == "fp32" and world == 1:
         # DeepSpeed's ZeRO-1/2 optimizer clones its (here: the whole) partition as an fp32
@@ -275,7 +275,7 @@ def test_zero2_model_states_equal_deepspeed(ds_estimators, preset, vocab, world)
         # GPU: 2P + 18P/N without offload (16-bit weights; 16-bit + fp32 grads, fp32 master,
         # Adam m, v partitions), 2P with it: the same formula, to the byte.
         assert est["gpu"]["model_states"] == pytest.approx(gpu, rel=1e-6)
-        host = est["host"]["node_total"] - world * plan.FRAMEWORK_OVERHEAD.host_per_rank_bytes
+        host = est["host"]["node_total"] - world * memory.FRAMEWORK_OVERHEAD.host_per_rank_bytes
         if not offload or 4 * world >= 18:
             # DeepSpeed's host number is every rank's fp32 model (4 B/param x N) or the offloaded
             # states, like ours; we do not apply its 1.5 "additional_buffer_factor".
@@ -292,7 +292,7 @@ def test_zero3_model_states_against_deepspeed(ds_estimators, preset, vocab, worl
     zero3 = ds_estimators[1]
     config = model_config(preset, vocab or PRESETS[preset]["published_vocab_size"])
     P = param_counts(config)["total"]
-    largest = plan.largest_module(config)[0]
+    largest = memory.largest_module(config)[0]
     part = -(-P // world)
     for opt, par in ((False, False), (True, False), (True, True)):
         est = _est(config, world=world, zero_stage=3, offload_optimizer=opt, offload_params=par)
@@ -310,7 +310,7 @@ def test_zero3_model_states_against_deepspeed(ds_estimators, preset, vocab, worl
             # 16-bit parameter partition every rank holds (its own offload branch counts it as
             # 2P/N), and it counts the fp32 gradient copy of the whole partition, which ZeRO-3
             # makes one sub_group_size (1e9 elements) at a time.
-            capped = 4 * part - 4 * min(part, plan.DS_SUB_GROUP_SIZE)
+            capped = 4 * part - 4 * min(part, memory.DS_SUB_GROUP_SIZE)
             assert ours == pytest.approx(gpu + 2 * part - capped, rel=1e-6)
 
 
@@ -319,7 +319,7 @@ def test_all_cold_estimators_run(ds_estimators, capsys):
     config = model_config("medium", 32000)
     P = param_counts(config)["total"]
     ds_estimators[2](total_params=P, num_gpus_per_node=3, num_nodes=1)
-    ds_estimators[3](total_params=P, largest_layer_params=plan.largest_module(config)[0],
+    ds_estimators[3](total_params=P, largest_layer_params=memory.largest_module(config)[0],
                      num_gpus_per_node=3, num_nodes=1)  # fmt: skip
     out = capsys.readouterr().out
     assert "per GPU" in out and "offload" in out
@@ -330,12 +330,12 @@ def test_all_cold_estimators_run(ds_estimators, capsys):
 
 def test_cheapest_fit_v2_lite_with_enough_host_ram():
     config = _published("deepseek-v2-lite")
-    rows = plan.cheapest_fit(
-        config, seq_len=1024, micro_batch=4, world=3, zero_stage=2, precision="bf16",
+    rows = layouts.cheapest_fit(
+        config, memory.Setup(seq_len=1024, micro_batch=4, world=3, zero_stage=2, precision="bf16"),
         gpu_mem_bytes=CARD, host_mem_bytes=1024 * GB,
     )  # fmt: skip
     assert not rows[0]["fits"] and rows[0]["strategy"] == "ZeRO-2 + micro 4"
-    rec = plan.recommendation(rows)
+    rec = layouts.recommendation(rows)
     assert rec is rows[-1] and rec["fits"] and rec["preset"] is None
     assert rec["zero_stage"] == 3 and rec["offload_optimizer"]
     assert rec["gpu_bytes"] <= CARD
@@ -344,37 +344,41 @@ def test_cheapest_fit_v2_lite_with_enough_host_ram():
 
 def test_cheapest_fit_v2_lite_short_of_host_ram_falls_back_to_a_smaller_preset():
     config = _published("deepseek-v2-lite")
-    rows = plan.cheapest_fit(
-        config, seq_len=1024, micro_batch=4, world=3, zero_stage=2, precision="bf16",
+    rows = layouts.cheapest_fit(
+        config, memory.Setup(seq_len=1024, micro_batch=4, world=3, zero_stage=2, precision="bf16"),
         gpu_mem_bytes=CARD, host_mem_bytes=128 * GB,
     )  # fmt: skip
     own = [r for r in rows if r["preset"] is None]
     assert own and not any(r["fits"] for r in own)
     assert any("host RAM" in r["reason"] for r in own)
-    rec = plan.recommendation(rows)
+    rec = layouts.recommendation(rows)
     assert rec is not None and rec["preset"] in ("medium", "small", "tiny")
 
 
 def test_cheapest_fit_says_nothing_fits_with_the_reason():
-    rows = plan.cheapest_fit(
-        _published("deepseek-v3"), seq_len=4096, micro_batch=1, world=1, zero_stage=2,
-        precision="bf16", gpu_mem_bytes=1 * GB, host_mem_bytes=1 * GB,
+    rows = layouts.cheapest_fit(
+        _published("deepseek-v3"),
+        memory.Setup(seq_len=4096, micro_batch=1, world=1, zero_stage=2, precision="bf16"),
+        gpu_mem_bytes=1 * GB, host_mem_bytes=1 * GB,
     )  # fmt: skip
-    assert plan.recommendation(rows) is None
+    assert layouts.recommendation(rows) is None
     assert rows and all(not r["fits"] and r["reason"] for r in rows)
 
 
 def test_cheapest_fit_as_configured_when_it_fits():
-    rows = plan.cheapest_fit(
-        model_config("medium", 32000), seq_len=1024, micro_batch=4, world=3, zero_stage=2,
-        precision="fp16", gpu_mem_bytes=CARD,
+    rows = layouts.cheapest_fit(
+        model_config("medium", 32000),
+        memory.Setup(seq_len=1024, micro_batch=4, world=3, zero_stage=2, precision="fp16"),
+        gpu_mem_bytes=CARD,
     )  # fmt: skip
     assert len(rows) == 1 and rows[0]["recommended"] and rows[0]["strategy"] == "ZeRO-2 + micro 4"
 
 
 def test_plan_table_is_aligned_and_complete():
-    text = plan.plan_table(
-        model_config("medium", 32000), seq_len=1024, micro_batch=4, world=3, precision="bf16",
+    # The table enumerates every ZeRO stage: the setup's own is not used.
+    text = tables.plan_table(
+        model_config("medium", 32000),
+        memory.Setup(seq_len=1024, micro_batch=4, world=3, zero_stage=2, precision="bf16"),
         gpu_mem_bytes=CARD,
     )  # fmt: skip
     lines = text.splitlines()
@@ -392,11 +396,9 @@ def test_plan_table_is_aligned_and_complete():
 
 
 def test_summary_sizes_and_flops():
-    from dsflow.model.flops import flops_per_token
-
     config = model_config("medium", 32000)
     P = param_counts(config)["total"]
-    s = plan.summary(config, seq_len=1024, tokens_per_step=48 * 1024, precision="bf16",
+    s = memory.summary(config, seq_len=1024, tokens_per_step=48 * 1024, precision="bf16",
                      zero_stage=2, keep_checkpoints=2)  # fmt: skip
     assert s["flops_per_token"] == flops_per_token(config, 1024)
     assert s["checkpoint_bytes"] == 14 * P  # 16-bit module + fp32 master + Adam m, v
@@ -411,13 +413,13 @@ def test_summary_sizes_and_flops():
 def test_check_fits(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     params = _params("profiles/rtx4090x3.yaml")
-    assert plan.check_fits(params, 3, "cpu", None) is None  # nothing to check on CPU
-    assert plan.check_fits(params, 3, "cuda", CARD) is None  # medium fits
+    assert layouts.check_fits(params, 3, "cpu", None) is None  # nothing to check on CPU
+    assert layouts.check_fits(params, 3, "cuda", CARD) is None  # medium fits
     big = copy.deepcopy(params)
     big["model"]["preset"] = "deepseek-v2"
     big["tokenizer"]["pretrained"] = "deepseek-ai/DeepSeek-V2"
     with pytest.raises(UsageError) as err:
-        plan.check_fits(big, 3, "cuda", CARD)
+        layouts.check_fits(big, 3, "cuda", CARD)
     msg = str(err.value)
     assert "\n" not in msg
     assert re.search(r"needs [\d,.]+ GB per GPU but 24\.0 GB available", msg), msg
@@ -428,29 +430,29 @@ def test_check_fits(monkeypatch, tmp_path):
 def test_resolve_vocab_sources(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     params = _params()
-    assert plan.resolve(params, _args("--gpu-mem", "24")).vocab_source == "tokenizer.vocab_size"
-    req = plan.resolve(params, _args("--model", "deepseek-v2", "--gpu-mem", "24"))
+    assert request.resolve(params, _args("--gpu-mem", "24")).vocab_source == "tokenizer.vocab_size"
+    req = request.resolve(params, _args("--model", "deepseek-v2", "--gpu-mem", "24"))
     assert req.vocab_size == 102400 and req.preset == "deepseek-v2"
-    assert plan.resolve(params, _args("--model", "medium")).vocab_size == 32000
+    assert request.resolve(params, _args("--model", "medium")).vocab_size == 32000
     index = tmp_path / "data/shards/train/index.json"
     index.parent.mkdir(parents=True)
     index.write_text(json.dumps({"vocab_size": 5000}))
-    req = plan.resolve(params, _args("--micro-batch", "2", "--zero", "3", "--gpus", "2"))
+    req = request.resolve(params, _args("--micro-batch", "2", "--zero", "3", "--gpus", "2"))
     assert (req.vocab_size, req.vocab_source) == (5000, "data/shards/train/index.json")
     assert (req.micro_batch, req.zero_stage, req.world) == (2, 3, 2)
     with pytest.raises(UsageError):
-        plan.resolve(params, _args("--offload-params"))  # needs ZeRO-3
+        request.resolve(params, _args("--offload-params"))  # needs ZeRO-3
 
 
 def test_run_writes_a_deterministic_report(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)
     params = _params("profiles/rtx4090x3.yaml")
     args = _args("--model", "deepseek-v2", "--gpus", "3", "--gpu-mem", "24")
-    plan.run(params, args)
+    stage.run(params, args)
     first = (tmp_path / "reports/plan.json").read_bytes()
     out = capsys.readouterr().out
     assert "per-GPU GB" in out and "16-bit weights alone are 471.5 GB" in out
-    plan.run(params, args)
+    stage.run(params, args)
     assert (tmp_path / "reports/plan.json").read_bytes() == first
     rep = json.loads(first)
     assert {"estimate", "verdict", "recommendation", "summary", "strategies", "table"} <= set(rep)
@@ -460,7 +462,7 @@ def test_run_writes_a_deterministic_report(monkeypatch, tmp_path, capsys):
     assert list(rep) == sorted(rep)
     assert not list(tmp_path.glob("reports/.*tmp*"))
 
-    plan.run(params, _args("--gpu-mem", "24"))  # the profile itself: medium fits
+    stage.run(params, _args("--gpu-mem", "24"))  # the profile itself: medium fits
     rep = json.loads((tmp_path / "reports/plan.json").read_text())
     assert rep["verdict"]["fits"] is True and rep["request"]["preset"] == "medium"
 
@@ -468,7 +470,7 @@ def test_run_writes_a_deterministic_report(monkeypatch, tmp_path, capsys):
 def test_run_without_gpu_memory_still_reports(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("DSFLOW_PROFILES", raising=False)
-    plan.run(_params(), _args())
+    stage.run(_params(), _args())
     rep = json.loads((tmp_path / "reports/plan.json").read_text())
     if not torch.cuda.is_available():
         assert rep["verdict"]["fits"] is None and "--gpu-mem" in rep["verdict"]["reason"]
@@ -483,20 +485,20 @@ def test_check_fits_counts_activation_checkpointing_from_params(monkeypatch, tmp
     params["train"]["micro_batch"] = 16
     card = 22 * 10**9
     with pytest.raises(UsageError, match="activation checkpointing"):
-        plan.check_fits(params, 1, "cuda", card)
+        layouts.check_fits(params, 1, "cuda", card)
     params["train"]["perf"]["activation_checkpointing"] = True
-    assert plan.check_fits(params, 1, "cuda", card) is None
+    assert layouts.check_fits(params, 1, "cuda", card) is None
 
 
 def test_the_plan_says_when_it_counts_dsflows_fused_optimizer():
     """One GPU in bf16 (the H200 profile): zero_stage auto plans ZeRO-0 with the fused
     optimizer, and the report's run line says so; three GPUs (the 3 x 4090 profile) keep
     DeepSpeed's optimizer, and the line does not."""
-    one = plan.report(_params("profiles/h200.yaml"))
+    one = stage.build_plan(_params("profiles/h200.yaml"))
     assert one["request"]["zero_stage"] == 0 and one["request"]["fused_optimizer"]
     assert "ZeRO-0, bf16, seq 1024 x micro 16 x accum 1, dsflow's fused optimizer" in (
-        plan.format_report(one)
+        tables.format_report(one)
     )
-    three = plan.report(_params("profiles/rtx4090x3.yaml"))
+    three = stage.build_plan(_params("profiles/rtx4090x3.yaml"))
     assert not three["request"]["fused_optimizer"]
-    assert "fused optimizer" not in plan.format_report(three)
+    assert "fused optimizer" not in tables.format_report(three)

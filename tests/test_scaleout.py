@@ -15,9 +15,14 @@ from test_train import EVAL_EXPORTED, losses, trained_copy
 
 from conftest import ROOT, dsflow
 from dsflow import dsconfig
-from dsflow import params as P
+from dsflow import params as params_mod
 from dsflow.errors import UsageError
+from dsflow.launch import free_port
+from dsflow.model.loss import evaluate_loss
+from dsflow.plan import layouts, request
+from dsflow.report import zero_layout
 from dsflow.train import checkpoint as ckpt
+from dsflow.train import stage as train
 
 # Global batch 12 = micro 2 x accum 2 x 3 ranks = micro 2 x accum 3 x 2 ranks.
 BATCH = {"train": {"micro_batch": 2, "grad_accum": 2, "keep_checkpoints": 3}}
@@ -33,7 +38,7 @@ def params(**train) -> dict:
     import yaml
 
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    return P.validate(P.deep_merge(raw, {"train": train}))
+    return params_mod.validate(params_mod.deep_merge(raw, {"train": train}))
 
 
 # --------------------------------------------------------------------------- DeepSpeed config
@@ -84,24 +89,22 @@ def test_offload_mistakes_fail_in_one_line_naming_the_key(train, device, key, sa
 
 
 def test_schema_names_the_key_of_a_bad_offload_or_stage():
-    for train, key in (
+    for bad, key in (
         ({"offload": {"optimizer": "disk"}}, "train.offload.optimizer"),
         ({"zero_stage": 4}, "train.zero_stage"),
     ):
         with pytest.raises(UsageError) as exc:
-            params(**train)
+            params(**bad)
         assert key in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_auto_picks_the_cheapest_layout_that_fits():
-    from dsflow.plan import stage as planner
-
     auto = params(zero_stage="auto", micro_batch=1, seq_len=1024)
     # CPU: nothing to fit, the fewest collectives.
-    assert planner.auto_layout(auto, 3, "cpu")[:3] == (2, False, False)
-    medium = P.deep_merge(auto, {"model": {"preset": "medium"}})
+    assert layouts.auto_layout(auto, 3, "cpu")[:3] == (2, False, False)
+    medium = params_mod.deep_merge(auto, {"model": {"preset": "medium"}})
     gb, host = 10**9, 1000 * 10**9
-    picks = {mem: planner.auto_layout(medium, 3, "cuda", mem * gb, host)[:3] for mem in (80, 8, 4)}
+    picks = {mem: layouts.auto_layout(medium, 3, "cuda", mem * gb, host)[:3] for mem in (80, 8, 4)}
     # Less GPU memory, a costlier layout: ZeRO-2, then ZeRO-3 + optimizer offload (ZeRO-3 alone
     # does not fit 8 GB), then parameter offload too.
     assert picks == {80: (2, False, False), 8: (3, True, False), 4: (3, True, True)}
@@ -109,31 +112,31 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     # DeepSpeed's (it holds what ZeRO-2 does there, without DeepSpeed's gradient hooks); where
     # that does not fit, the same costlier layouts. ZeRO-3 partitions nothing there, so ZeRO-2
     # with optimizer offload is next.
-    alone = {mem: planner.auto_layout(medium, 1, "cuda", mem * gb, host) for mem in (80, 8)}
+    alone = {mem: layouts.auto_layout(medium, 1, "cuda", mem * gb, host) for mem in (80, 8)}
     assert alone[80][:3] == (0, False, False) and "ZeRO-0, for dsflow's fused" in alone[80][3]
     assert alone[8][:3] == (2, True, False)
-    ds = P.deep_merge(medium, {"train": {"perf": {"optimizer": "deepspeed"}}})
-    zero1 = planner.auto_layout(ds, 1, "cuda", 80 * gb, host)
+    ds = params_mod.deep_merge(medium, {"train": {"perf": {"optimizer": "deepspeed"}}})
+    zero1 = layouts.auto_layout(ds, 1, "cuda", 80 * gb, host)
     assert zero1[:3] == (1, False, False) and "one GPU: ZeRO-1" in zero1[3]
     # With a DeepSpeed config file of the user's, auto keeps DeepSpeed's optimizer.
-    user = P.deep_merge(medium, {"train": {"ds_config": "my_ds.json"}})
-    assert planner.auto_layout(user, 1, "cuda", 80 * gb, host)[:3] == (1, False, False)
-    fused = P.deep_merge(medium, {"train": {"perf": {"optimizer": "fused"}}})
-    fp32 = P.deep_merge(fused, {"train": {"precision": "fp32"}})
-    assert planner.auto_layout(fp32, 1, "cuda", 80 * gb, host)[:3] == (1, False, False)
+    user = params_mod.deep_merge(medium, {"train": {"ds_config": "my_ds.json"}})
+    assert layouts.auto_layout(user, 1, "cuda", 80 * gb, host)[:3] == (1, False, False)
+    fused = params_mod.deep_merge(medium, {"train": {"perf": {"optimizer": "fused"}}})
+    fp32 = params_mod.deep_merge(fused, {"train": {"precision": "fp32"}})
+    assert layouts.auto_layout(fp32, 1, "cuda", 80 * gb, host)[:3] == (1, False, False)
     # The fused optimizer runs at ZeRO-0 only: asked for, auto tries it first on several GPUs
     # too; auto alone keeps DeepSpeed's there (ZeRO-2, above).
-    assert planner.auto_layout(fused, 3, "cuda", 80 * gb, host)[:3] == (0, False, False)
-    # Parameter offload exists at ZeRO-3 only: asked for, auto plans there (it failed before).
-    par = P.deep_merge(medium, {"train": {"offload": {"param": "cpu"}}})
+    assert layouts.auto_layout(fused, 3, "cuda", 80 * gb, host)[:3] == (0, False, False)
+    # Parameter offload exists at ZeRO-3 only: asked for, auto plans there.
+    par = params_mod.deep_merge(medium, {"train": {"offload": {"param": "cpu"}}})
     for world in (1, 3):
-        assert planner.auto_layout(par, world, "cuda", 80 * gb, host)[:3] == (3, True, True)
-    assert planner.auto_layout(par, 1, "cuda", None, host)[:3] == (3, False, True)
+        assert layouts.auto_layout(par, world, "cuda", 80 * gb, host)[:3] == (3, True, True)
+    assert layouts.auto_layout(par, 1, "cuda", None, host)[:3] == (3, False, True)
     # Offload asked for in train.offload is kept.
-    kept = P.deep_merge(medium, {"train": {"offload": {"optimizer": "cpu"}}})
-    assert planner.auto_layout(kept, 3, "cuda", 80 * gb, host)[:3] == (3, True, False)
+    kept = params_mod.deep_merge(medium, {"train": {"offload": {"optimizer": "cpu"}}})
+    assert layouts.auto_layout(kept, 3, "cuda", 80 * gb, host)[:3] == (3, True, False)
     with pytest.raises(UsageError) as exc:
-        planner.auto_layout(medium, 3, "cuda", 2 * gb, host)
+        layouts.auto_layout(medium, 3, "cuda", 2 * gb, host)
     msg = str(exc.value)
     assert "\n" not in msg and "train.zero_stage: auto" in msg and "cheapest fit:" in msg
 
@@ -158,16 +161,13 @@ def test_one_rank_at_zero_1_gets_no_gradient_hooks_by_default():
         params(zero={"overlap_comm": "yes"})
     assert "train.zero.overlap_comm" in str(exc.value)
     # The planner counts the reduce buckets DeepSpeed will double-buffer, or not.
-    from dsflow.plan import stage as planner
-
-    assert not planner.resolve(params(zero_stage=1), None, world=1).overlap_comm
-    assert planner.resolve(params(zero_stage=2), None, world=1).overlap_comm
+    assert not request.resolve(params(zero_stage=1), None, world=1).overlap_comm
+    assert request.resolve(params(zero_stage=2), None, world=1).overlap_comm
 
 
 def one_rank(script: str, arg, cwd: Path):
     """Run `script` as a 1-rank gloo world on DeepSpeed's CPU accelerator, with `arg` as JSON in
     argv[1]; the JSON its last output line prints."""
-    from dsflow.launch import free_port
 
     env = {
         **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
@@ -323,8 +323,6 @@ def test_fingerprint_ignores_how_the_global_batch_is_split():
 def test_another_world_size_with_another_global_batch_says_how_to_keep_it(
     tmp_path, world, micro, says
 ):
-    from dsflow.train import stage as train
-
     old = params(gpus=3, micro_batch=2, grad_accum=2)
     (tmp_path / "run.json").write_text(
         json.dumps(
@@ -347,15 +345,13 @@ def test_another_world_size_with_another_global_batch_says_how_to_keep_it(
     msg = str(exc.value)
     assert "\n" not in msg and "global batch 12 (2 x 2 x 3 ranks)" in msg and says in msg
     # Another change of the math (lr) is another run: no message (the stage starts fresh).
-    plan["params"] = P.deep_merge(new, {"train": {"optimizer": {"lr": 0.1}}})
+    plan["params"] = params_mod.deep_merge(new, {"train": {"optimizer": {"lr": 0.1}}})
     train.check_elastic_batch(tmp_path, plan)
 
 
 def test_another_zero_layout_is_refused_rather_than_started_over(tmp_path):
     """Universal checkpoints do not load across ZeRO stages: a layout change (e.g. zero_stage
     auto on other GPUs) names the settings the checkpoints need instead of deleting them."""
-    from dsflow.train import stage as train
-
     old = params(zero_stage=2, offload={"optimizer": "cpu"})
     (tmp_path / "run.json").write_text(
         json.dumps(
@@ -374,7 +370,7 @@ def test_another_zero_layout_is_refused_rather_than_started_over(tmp_path):
     assert "\n" not in msg
     assert "saved with ZeRO-2 + optimizer offload (cpu), this launch uses ZeRO-3" in msg
     assert "set train.zero_stage: 2, train.offload.optimizer: cpu to resume" in msg
-    plan["params"] = P.deep_merge(new, {"train": {"optimizer": {"lr": 0.1}}})
+    plan["params"] = params_mod.deep_merge(new, {"train": {"optimizer": {"lr": 0.1}}})
     train.check_layout(tmp_path, plan)  # another run: no message
 
 
@@ -386,29 +382,29 @@ def test_auto_keeps_the_layout_this_run_was_saved_in(prepared, tmp_path, monkeyp
 
     from test_train import TRAIN
 
-    from dsflow.train import stage as train
-
     repo = tmp_path / "repo"
     shutil.copytree(prepared, repo, ignore=shutil.ignore_patterns("checkpoints", "models"))
     monkeypatch.chdir(repo)
-    auto = P.validate(
-        P.deep_merge(P.load(), {**TRAIN, "train": {**TRAIN["train"], "zero_stage": "auto"}})
+    auto = params_mod.validate(
+        params_mod.deep_merge(
+            params_mod.load(), {**TRAIN, "train": {**TRAIN["train"], "zero_stage": "auto"}}
+        )
     )
     launched = []
-    monkeypatch.setattr(train, "preflight", lambda params, plan: {})
+    monkeypatch.setattr(train, "preflight", lambda params, plan, memory_plan: {})
     monkeypatch.setattr(train, "_run_locked", lambda plan, *rest: launched.append(plan))
     # Nothing saved: auto on CPU is ZeRO-2.
     train.run(auto)
     assert launched[-1]["ds_config"]["zero_optimization"]["stage"] == 2
     # This run saved at ZeRO-1 (e.g. on one GPU): kept.
-    saved = train.plan_run(P.deep_merge(auto, {"train": {"zero_stage": 1}}))
+    saved = train.plan_run(params_mod.deep_merge(auto, {"train": {"zero_stage": 1}}))
     ckpt.CHECKPOINTS.mkdir(exist_ok=True)
     (ckpt.CHECKPOINTS / "run.json").write_text(json.dumps(saved))
     train.run(auto)
     assert launched[-1]["ds_config"]["zero_optimization"]["stage"] == 1
     assert launched[-1]["fingerprint"] == saved["fingerprint"]
     # Another run in checkpoints/ (another learning rate): auto picks afresh.
-    other = P.deep_merge(auto, {"train": {"optimizer": {"lr": 0.1}}})
+    other = params_mod.deep_merge(auto, {"train": {"optimizer": {"lr": 0.1}}})
     train.run(other)
     assert launched[-1]["ds_config"]["zero_optimization"]["stage"] == 2
 
@@ -418,8 +414,6 @@ def test_lockstep_validation_runs_as_many_forwards_on_every_rank():
     (3, 2, 2) and micro 2, every rank runs 2 forwards, and the padding counts no loss."""
     import numpy as np
     import torch
-
-    from dsflow.model.loss import evaluate_loss
 
     class Reader:
         seq_len, num_windows = 4, 7
@@ -574,7 +568,6 @@ def test_zero3_with_cpu_optimizer_offload_gives_the_same_curve(prepared, zero2, 
     assert ds["optimizer"]["params"]["torch_adam"] is True  # DeepSpeedCPUAdam needs a build
     metrics = json.loads((repo / "metrics/train.json").read_text())
     assert (metrics["offload_optimizer"], metrics["offload_param"]) == ("cpu", "none")
-    from dsflow.report import zero_layout
 
     assert zero_layout(metrics) == "3 + optimizer offload (cpu)"
     assert_same_curve(losses(zero2), losses(repo))

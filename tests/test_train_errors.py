@@ -7,8 +7,11 @@ import re
 import pytest
 
 from conftest import dsflow, update_params
-from dsflow import dsconfig, machine
+from dsflow import checks, dsconfig, machine
 from dsflow.errors import UsageError
+from dsflow.model.build import build_model
+from dsflow.model.presets import model_config
+from dsflow.params import deep_merge, load
 from dsflow.train import stage as train
 
 
@@ -45,10 +48,9 @@ def test_fewer_than_two_given():
 
 
 def _fake_cuda(monkeypatch, n):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    """n visible GPUs, as machine.py asks torch for them (once per process, so not torch.cuda)."""
+    gpus = [{"index": i, "name": "NVIDIA H100", "total_memory": 80 * 10**9} for i in range(n)]
+    monkeypatch.setattr(machine, "gpus", lambda: gpus)
 
 
 def test_too_many_gpus_is_an_error_not_a_fallback(monkeypatch):
@@ -66,8 +68,6 @@ def test_too_many_gpus_is_an_error_not_a_fallback(monkeypatch):
 
 def test_ds_config_generation_and_user_merge(tmp_path):
     import json
-
-    from dsflow.params import load
 
     # zero_stage: auto is the train stage's to resolve (train.resolve_zero) before this.
     t = {**load()["train"], "zero_stage": 2}
@@ -116,9 +116,6 @@ def test_stage_refuses_bad_requests_before_launch(prepared, tmp_path):
 def test_vocab_mismatch_with_a_pretrained_model(prepared, tmp_path):
     import shutil
 
-    from dsflow.model.build import build_model
-    from dsflow.model.presets import model_config
-
     ckpt = tmp_path / "other_vocab"
     build_model(model_config("tiny", 999), device_type="cpu").save_pretrained(ckpt)
     repo = tmp_path / "mismatch"
@@ -131,17 +128,15 @@ def test_vocab_mismatch_with_a_pretrained_model(prepared, tmp_path):
 
 
 def test_preflight_refuses_what_cannot_fit_and_sets_nccl_for_consumer_cards(monkeypatch):
-    from dsflow import doctor
-    from dsflow.params import deep_merge, load
 
     gpus = [
         {"index": i, "name": "NVIDIA GeForce RTX 4090", "total_memory": 24 * 2**30}
         for i in range(3)
     ]
-    facts = doctor.gather_facts(".")
+    facts = machine.facts(".")
     facts.update(gpus=gpus, p2p={f"{a}-{b}": False for a in range(3) for b in range(3) if a != b})
-    monkeypatch.setattr(doctor, "gather_facts", lambda *_: facts)
-    monkeypatch.setattr(doctor, "diagnose", lambda *_: [])
+    monkeypatch.setattr(machine, "facts", lambda *_: facts)
+    monkeypatch.setattr(checks, "diagnose", lambda *_: [])
     params = deep_merge(load(), {"model": {"preset": "deepseek-v2"}, "train": {"device": "cuda"}})
     plan = {"device": "cuda", "world": 3}
     with pytest.raises(UsageError) as exc:
@@ -151,4 +146,4 @@ def test_preflight_refuses_what_cannot_fit_and_sets_nccl_for_consumer_cards(monk
     # 236B parameters x 2 bytes on every GPU (the vocabulary here is the test tokenizer's).
     assert re.search(r"16-bit weights alone are 4[67]\d\.\d GB", msg)
     forced = deep_merge(params, {"train": {"force": True}})
-    assert train.preflight(forced, plan) == doctor.nccl_env(facts)
+    assert train.preflight(forced, plan) == machine.nccl_env(facts)

@@ -14,17 +14,22 @@ World size = train.nodes x ranks per node (train.gpus). The launch engines are t
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dsflow.errors import UsageError
 
 NODE_TASK_ENV = "DSFLOW_NODE_TASK"  # set on the per-node tasks dsflow starts with srun
-# Set by the train stage for its ranks (read by dsflow.worker.shared_plan).
+# Set by the train stage for its ranks (read by dsflow.train.runspec).
 PLAN_SOURCE_ENV = "DSFLOW_PLAN_SOURCE"  # this node wrote checkpoints/run.json
 FINGERPRINT_ENV = "DSFLOW_FINGERPRINT"  # this node's plan, which node 0's must match
 LOCALHOST = "127.0.0.1"
@@ -290,3 +295,95 @@ def launch_env(plan: dict) -> dict:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
+
+
+# --------------------------------------------------------------------------- running the launcher
+
+
+def _die_with_parent():
+    """preexec_fn for the launcher: SIGTERM it when this process dies, even by SIGKILL (Linux),
+    so a killed stage never leaves ranks running (they checkpoint and stop)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def setup():
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
+
+
+class SignalForwarder:
+    """While the ranks run: the first SIGTERM / SIGINT asks them (`stop_file`, checkpoints/.stop)
+    to save a checkpoint at the next step boundary and stop; a second one stops the launcher at
+    once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, stop_file: Path):
+        self.stop_file = stop_file
+        self.received: list[int] = []
+        self.proc: subprocess.Popen | None = None
+        self.previous: dict = {}
+
+    def __enter__(self) -> SignalForwarder:
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def handle(self, signum, frame) -> None:
+        self.received.append(signum)
+        name = signal.Signals(signum).name
+        if len(self.received) == 1:
+            with contextlib.suppress(OSError):
+                self.stop_file.touch()
+            print(
+                f"[dsflow train] {name}: the ranks checkpoint at the next step boundary and stop "
+                "(send it again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif self.proc is not None and self.proc.poll() is None:
+            print(
+                f"[dsflow train] {name} again: stopping the launcher", file=sys.stderr, flush=True
+            )
+            self.proc.send_signal(signal.SIGTERM)
+
+
+def wait(proc: subprocess.Popen) -> int:
+    """proc's exit code; when this process is interrupted meanwhile, SIGTERM it first."""
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        raise
+
+
+def run_launcher(cmd: list[str], env: dict, stop_file: Path, lock: Any = None) -> tuple[int, list]:
+    """Start the launcher `cmd` and wait for it, forwarding SIGTERM / SIGINT (SignalForwarder);
+    (its exit code, the signals this process received). `lock` (checkpoints/.lock, held by node
+    0) is handed to the launcher, which holds it until its ranks are gone."""
+    with SignalForwarder(stop_file) as forwarder:
+        # A new process group: a terminal's Ctrl-C reaches this process only, which turns it into
+        # a checkpoint-and-stop request instead of the launcher's 30 s kill timer.
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+            pass_fds=(lock.fd,) if lock else (),
+        )
+        forwarder.proc = proc
+        if lock:
+            lock.write_holder(f"{os.getpid()}, launcher {proc.pid}")
+        code = wait(proc)
+    return code, forwarder.received

@@ -1,8 +1,10 @@
 """Stage `train`: resolve the run, write its DeepSpeed config, launch one process per rank, wait.
 
 Everything that can be wrong with the request (batch arithmetic, GPUs that are not there, a
-vocabulary that does not match a pretrained model, a bad ds_config.json, a corrupted shard) fails
-here, in one line, before any rank starts.
+vocabulary that does not match a pretrained model, a bad ds_config.json, a corrupted shard, a
+model that does not fit the GPUs) fails here, in one line, before any rank starts. The memory
+plan is the plan stage's (reports/plan.json) when it planned this very launch, else it is made
+here, once; `train.zero_stage: auto` takes its layout from it.
 
 While the ranks run, the stage holds checkpoints/.lock (a second run in the same directory fails
 at once), forwards SIGTERM / SIGINT as a request to checkpoint at the next step boundary (a second
@@ -17,26 +19,24 @@ rendezvous, and a node whose plan differs from node 0's is refused by the ranks)
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import ctypes
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from dsflow import dsconfig, machine
-from dsflow import launch as launcher
+from dsflow import checks, dsconfig, launch, machine
 from dsflow.atomic import write_json
 from dsflow.data.shards import load_index
 from dsflow.errors import UsageError
-from dsflow.paths import SHARDS
+from dsflow.model import fastpaths, presets
+from dsflow.model.build import load_checkpoint_config
+from dsflow.paths import CHECKPOINTS, SHARDS
+from dsflow.plan import layouts, memory, request
 from dsflow.progress import log
 from dsflow.train import checkpoint as ckpt
 
@@ -60,8 +60,6 @@ def vocab_size() -> int:
 def check_pretrained_vocab(pretrained: str | None, vocab: int) -> None:
     if not pretrained:
         return
-    from dsflow.model.build import load_checkpoint_config
-
     config = load_checkpoint_config(pretrained)
     if config.vocab_size != vocab:
         raise UsageError(
@@ -79,9 +77,7 @@ def plan_run(params: dict) -> dict:
     )
     steps = dsconfig.total_steps(train, batch)
     vocab = vocab_size()
-    from dsflow.model.presets import model_config
-
-    model_config(params["model"]["preset"], vocab, params["model"]["overrides"])
+    presets.model_config(params["model"]["preset"], vocab, params["model"]["overrides"])
     check_pretrained_vocab(params["model"]["pretrained"], vocab)
     if device == "cpu" and train["precision"] == "fp16":
         raise UsageError(
@@ -91,10 +87,8 @@ def plan_run(params: dict) -> dict:
     ds_config = built = dsconfig.build(train, batch, steps, device)
     if train["ds_config"]:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
-    from dsflow.model import fastpaths as kernels
-
     # Decided once, here (impossible settings fail in one line); the ranks read it from the plan.
-    perf = kernels.resolve(
+    perf = fastpaths.resolve(
         train.get("perf", {}),
         device,
         ds_config["zero_optimization"].get("stage", 0),
@@ -129,8 +123,8 @@ def plan_run(params: dict) -> dict:
     }
 
 
-def launch_command(plan: dict, nodes: launcher.Nodes) -> list[str]:
-    return launcher.command(plan["params"]["train"], plan["local_ranks"], nodes, RANK_MODULE)
+def launch_command(plan: dict, nodes: launch.Nodes) -> list[str]:
+    return launch.command(plan["params"]["train"], plan["local_ranks"], nodes, RANK_MODULE)
 
 
 def _run_json(root: Path) -> dict:
@@ -153,7 +147,7 @@ def zero_partitioned(plan: dict) -> bool | None:
 
 def prepare_run_dir(plan: dict) -> None:
     """Clean up after interrupted runs and pick the checkpoint to resume (plan["resume"])."""
-    root = ckpt.CHECKPOINTS
+    root = CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     for name in ckpt.remove_temp_tags(root):
         log.info("removed %s/%s, left by an interrupted checkpoint save", root, name)
@@ -286,110 +280,80 @@ def check_layout(root: Path, plan: dict) -> None:
     )
 
 
-def resolve_zero(params: dict, world: int, device: str) -> dict:
-    """`train.zero_stage: auto`: the cheapest memory layout the planner says fits
-    (plan.auto_layout: ZeRO-2, or ZeRO-1 on one GPU, then ZeRO-3, then CPU offload of the
-    optimizer, then of the parameters); params with it set."""
-    if params["train"]["zero_stage"] != "auto":
-        return params
-    from dsflow.plan import stage as planner
-
-    params = copy.deepcopy(params)
-    stage, opt, par, why = planner.auto_layout(params, world, device)
-    train = params["train"]
-    train["zero_stage"] = stage
-    if opt and train["offload"]["optimizer"] == "none":
-        train["offload"]["optimizer"] = "cpu"
-    if par and train["offload"]["param"] == "none":
-        train["offload"]["param"] = "cpu"
-    # On CPU auto is always ZeRO-2: nothing worth a line on every run.
-    say = log.info if device == "cuda" else log.debug
-    say("train.zero_stage: auto -> %s (%s)", dsconfig.layout(train), why)
-    return params
+# --------------------------------------------------------------------------- memory plan
 
 
-def preflight(params: dict, plan: dict) -> dict:
+def _auto_layout(params: dict, req: request.Request, plan: dict | None) -> tuple[dict, dict | None]:
+    """`train.zero_stage: auto` on GPUs: (params with the layout that fits, its estimate when
+    made). ``req`` is the request at auto's first stage; ``plan`` reports/plan.json when the plan
+    stage planned that very request."""
+    if plan is not None and plan["verdict"]["fits"]:
+        setup, est = req, plan["estimate"]
+        why = layouts.fit_reason(req.zero_stage, est, req.gpu_mem_bytes)
+    elif req.gpu_mem_bytes is None:
+        setup, est, why = req, None, f"GPU memory unknown: ZeRO-{req.zero_stage}"
+    else:
+        setup, est, why = layouts.first_fit(req, req.host_mem_bytes)
+    params = layouts.with_layout(
+        params, setup.zero_stage, setup.offload_optimizer, setup.offload_params
+    )
+    log.info("train.zero_stage: auto -> %s (%s)", dsconfig.layout(params["train"]), why)
+    return params, est
+
+
+def plan_memory(params: dict, world: int, device: str) -> tuple[dict, dict]:
+    """(params with `train.zero_stage: auto` decided, the memory plan of that layout on this
+    machine's GPUs). The plan is reports/plan.json when the plan stage planned this very launch
+    (one line says so when it planned other GPUs), else it is made here, once.
+
+    `auto` picks the cheapest memory layout the planner says fits (layouts.first_fit: ZeRO-2,
+    or ZeRO-1 / ZeRO-0 on one GPU, then ZeRO-3, then CPU offload of the optimizer, then of the
+    parameters); on CPU ZeRO-2, with nothing to fit."""
+    auto = params["train"]["zero_stage"] == "auto"
+    if auto and device != "cuda":
+        stage, opt, par, why = layouts.cpu_layout(params["train"])
+        params = layouts.with_layout(params, stage, opt, par)
+        # On CPU auto is always ZeRO-2: nothing worth a line on every run.
+        log.debug("train.zero_stage: auto -> %s (%s)", dsconfig.layout(params["train"]), why)
+        auto = False
+    # Resolved as the plan stage resolves it (`auto`: its first stage), to compare with its plan.
+    req = request.resolve(params, None, world=world)
+    plan, why = layouts.planned(req)
+    if why:
+        log.info("%s", why)
+    if not auto:
+        return params, plan or layouts.assess(req)
+    params, est = _auto_layout(params, req, plan)
+    chosen = request.resolve(params, None, world=world)
+    if plan is not None and chosen.record() == req.record():
+        return params, plan
+    same = est is not None and est["inputs"] == memory.inputs(chosen.config, chosen)
+    return params, layouts.assess(chosen, est if same else None)
+
+
+def preflight(params: dict, plan: dict, memory_plan: dict | None = None) -> dict:
     """The doctor's blockers and the planner's verdict, before any rank starts; returns the
-    NCCL settings the machine needs (e.g. NCCL_P2P_DISABLE=1 on cards without peer access)."""
-    from dsflow import doctor
-    from dsflow.plan import stage as planner
-
-    facts = doctor.gather_facts(".")
-    fails = [c for c in doctor.diagnose(facts, params) if c.status == doctor.FAIL]
+    NCCL settings the machine needs (e.g. NCCL_P2P_DISABLE=1 on cards without peer access).
+    ``memory_plan``: the launch's (:func:`plan_memory`); made here when None."""
+    facts = machine.facts(".")
+    if memory_plan is None:
+        memory_plan = checks.plan_for(facts, params, plan["world"])
+    fails = checks.blockers(checks.diagnose(facts, params, memory_plan))
     if fails:
         first = fails[0]
         raise UsageError(f"doctor: {first.name}: {first.detail}; {first.fix}".rstrip("; "))
     if plan["device"] == "cuda" and not params["train"]["force"]:
-        mem = min(
-            g["total_memory"] for g in facts["gpus"][: plan.get("local_ranks", plan["world"])]
-        )
-        planner.check_fits(params, plan["world"], plan["device"], mem)
-    return doctor.nccl_env(facts) if plan["device"] == "cuda" else {}
-
-
-def _die_with_parent():
-    """preexec_fn for the launcher: SIGTERM it when this process dies, even by SIGKILL (Linux),
-    so a killed stage never leaves ranks running (they checkpoint and stop, see worker.Stop)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def setup():
-        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return setup
-
-
-class SignalForwarder:
-    """While the ranks run: the first SIGTERM / SIGINT asks them (checkpoints/.stop) to save a
-    checkpoint at the next step boundary and stop; a second one stops the launcher at once."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, root: Path):
-        self.stop_file = root / ckpt.STOP_FILE
-        self.received: list[int] = []
-        self.proc: subprocess.Popen | None = None
-        self.previous: dict = {}
-
-    def __enter__(self) -> SignalForwarder:
-        for sig in self.SIGNALS:
-            self.previous[sig] = signal.signal(sig, self.handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def handle(self, signum, frame) -> None:
-        self.received.append(signum)
-        name = signal.Signals(signum).name
-        if len(self.received) == 1:
-            with contextlib.suppress(OSError):
-                self.stop_file.touch()
-            print(
-                f"[dsflow train] {name}: the ranks checkpoint at the next step boundary and stop "
-                "(send it again to stop at once)",
-                file=sys.stderr,
-                flush=True,
-            )
-        elif self.proc is not None and self.proc.poll() is None:
-            print(
-                f"[dsflow train] {name} again: stopping the launcher", file=sys.stderr, flush=True
-            )
-            self.proc.send_signal(signal.SIGTERM)
+        layouts.refuse_unless_fits(memory_plan)
+    return machine.nccl_env(facts) if plan["device"] == "cuda" else {}
 
 
 def run(params: dict) -> None:
     device, local_ranks = machine.resolve_device(params["train"])
     auto = params["train"]["zero_stage"] == "auto"
-    params = resolve_zero(params, local_ranks * params["train"]["nodes"], device)
+    world = local_ranks * params["train"]["nodes"]
+    params, memory_plan = plan_memory(params, world, device)
     plan = plan_run(params)
-    saved = saved_layout(ckpt.CHECKPOINTS, plan) if auto else None
+    saved = saved_layout(CHECKPOINTS, plan) if auto else None
     if saved is not None:
         # A run cannot resume across ZeRO stages or offload settings, and auto picks by the
         # GPUs at hand (ZeRO-1 on one, ZeRO-2 on several): it keeps the run's layout instead.
@@ -397,17 +361,17 @@ def run(params: dict) -> None:
             "train.zero_stage: auto keeps %s, the layout checkpoints/ holds this run in",
             dsconfig.layout(saved["train"]),
         )
-        params = saved
+        params, memory_plan = plan_memory(saved, world, device)
         plan = plan_run(params)
-    if launcher.slurm_fanout(params["train"]):
+    if launch.slurm_fanout(params["train"]):
         _run_on_slurm_nodes(params, plan)
         return
-    nodes = launcher.resolve_nodes(params["train"], plan["local_ranks"])
-    nccl = preflight(params, plan)
+    nodes = launch.resolve_nodes(params["train"], plan["local_ranks"])
+    nccl = preflight(params, plan, memory_plan)
     for key, value in nccl.items():
         log.info("setting %s=%s for this machine (see python -m dsflow doctor)", key, value)
     if nodes.leader:
-        with ckpt.RunLock(ckpt.CHECKPOINTS) as lock:
+        with ckpt.RunLock(CHECKPOINTS) as lock:
             _run_locked(plan, nccl, nodes, lock)
         log.info("done: models/final, metrics/train.json")
     else:
@@ -418,8 +382,8 @@ def run(params: dict) -> None:
 def _run_on_slurm_nodes(params: dict, plan: dict) -> None:
     """In a SLURM allocation, started once: run this stage on every node (srun), and wait."""
     train = params["train"]
-    cmd = launcher.slurm_command(train, plan["local_ranks"], plan["device"])
-    env = launcher.slurm_env(train, json.dumps(params, sort_keys=True))
+    cmd = launch.slurm_command(train, plan["local_ranks"], plan["device"])
+    env = launch.slurm_env(train, json.dumps(params, sort_keys=True))
     log.info(
         "SLURM job %s: the train stage on %d nodes, rendezvous %s:%s: %s",
         env.get("SLURM_JOB_ID"),
@@ -435,12 +399,7 @@ def _run_on_slurm_nodes(params: dict, plan: dict) -> None:
             "train.nodes: SLURM_JOB_ID is set but srun is not on PATH; load SLURM's tools, or "
             "set train.node_rank on each node to launch them yourself"
         ) from None
-    try:
-        code = proc.wait()
-    except BaseException:
-        proc.send_signal(signal.SIGTERM)  # srun forwards it to every node's stage
-        proc.wait()
-        raise
+    code = launch.wait(proc)  # srun forwards a SIGTERM to every node's stage
     if code != 0:
         raise UsageError(
             f"training failed on the SLURM nodes (srun exit {code}); see the node output above; "
@@ -449,12 +408,7 @@ def _run_on_slurm_nodes(params: dict, plan: dict) -> None:
     log.info("done: models/final, metrics/train.json")
 
 
-def _run_locked(plan: dict, nccl: dict, nodes: launcher.Nodes, lock: ckpt.RunLock | None) -> None:
-    """Launch this node's ranks and wait. The leader (node 0, holding `lock`) prepares
-    checkpoints/ first and cleans up after; the other nodes leave checkpoints/ alone."""
-    root = ckpt.CHECKPOINTS
-    if nodes.leader:
-        prepare_run_dir(plan)
+def _log_launch(plan: dict, nodes: launch.Nodes) -> None:
     batch = plan["batch"]
     log.info(
         "%d rank(s) on %s%s, micro %d x accum %d x %d = batch %d, %d steps, resume: %s",
@@ -468,36 +422,27 @@ def _run_locked(plan: dict, nccl: dict, nodes: launcher.Nodes, lock: ckpt.RunLoc
         plan["steps"],
         plan.get("resume", "decided by node 0") or "none",
     )
+
+
+def _run_locked(plan: dict, nccl: dict, nodes: launch.Nodes, lock: ckpt.RunLock | None) -> None:
+    """Launch this node's ranks and wait. The leader (node 0, holding `lock`) prepares
+    checkpoints/ first and cleans up after; the other nodes leave checkpoints/ alone."""
+    root = CHECKPOINTS
+    if nodes.leader:
+        prepare_run_dir(plan)
+    _log_launch(plan, nodes)
     status_dir = Path(tempfile.mkdtemp(prefix="dsflow-train-"))
     status_file = status_dir / "status"
-    env = {**launcher.launch_env(plan), **nccl, "DSFLOW_STATUS_FILE": str(status_file)}
+    env = {**launch.launch_env(plan), **nccl, "DSFLOW_STATUS_FILE": str(status_file)}
     # Node 0's ranks hand run.json to every rank; the others check it against their own plan
-    # (worker.shared_plan).
+    # (dsflow.train.runspec).
     if nodes.leader:
-        env[launcher.PLAN_SOURCE_ENV] = "1"
+        env[launch.PLAN_SOURCE_ENV] = "1"
     else:
-        env[launcher.FINGERPRINT_ENV] = plan["fingerprint"]
+        env[launch.FINGERPRINT_ENV] = plan["fingerprint"]
     try:
-        with SignalForwarder(root) as forwarder:
-            # Its own session: a terminal's Ctrl-C reaches this process only, which turns it
-            # into a checkpoint-and-stop request instead of the launcher's 30 s kill timer.
-            proc = subprocess.Popen(
-                launch_command(plan, nodes),
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent(),
-                # the launcher holds the lock until its ranks are gone
-                pass_fds=(lock.fd,) if lock else (),
-            )
-            forwarder.proc = proc
-            if lock:
-                lock.write_holder(f"{os.getpid()}, launcher {proc.pid}")
-            try:
-                code = proc.wait()
-            except BaseException:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait()
-                raise
+        cmd = launch_command(plan, nodes)
+        code, received = launch.run_launcher(cmd, env, root / ckpt.STOP_FILE, lock)
         status = status_file.read_text().strip() if status_file.exists() else ""
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
@@ -508,11 +453,17 @@ def _run_locked(plan: dict, nccl: dict, nodes: launcher.Nodes, lock: ckpt.RunLoc
                 log.info("removed %s/%s, left by an interrupted checkpoint save", root, name)
     if status:  # a rank's one-line reason (the ranks may even have exited cleanly)
         raise UsageError(status.splitlines()[0])
+    _explain_exit(plan, nodes, code, received)
+
+
+def _explain_exit(plan: dict, nodes: launch.Nodes, code: int, received: list[int]) -> None:
+    """Return when the run finished; else raise one line: what stopped it, and how to go on."""
+    root = CHECKPOINTS
     last = ckpt.resume_tag(root, plan["world"], zero_partitioned(plan))
     finished = code == 0 and last and ckpt.step_of(last) >= plan["steps"]
     # A clean exit before the last step: the ranks were asked to stop (checkpoints/.stop), by
     # this stage's signal handler or, with several nodes, by another node's.
-    if (forwarder.received or code == 0) and not finished:
+    if (received or code == 0) and not finished:
         resumed_from = plan["resume"] if nodes.leader else _run_json(root).get("resume")
         resumed_from = (resumed_from or "").split("/")[0]  # "stepN/universal" is stepN
         if last and last != resumed_from:
@@ -521,10 +472,10 @@ def _run_locked(plan: dict, nccl: dict, nodes: launcher.Nodes, lock: ckpt.RunLoc
             what = f"stopped before a new checkpoint was saved; rerun to resume from {last}"
         else:
             what = "stopped before any checkpoint was saved; rerun to start over"
-        if not forwarder.received:
+        if not received:
             raise UsageError(f"the ranks stopped on request (checkpoints/.stop): {what}")
-        name = signal.Signals(forwarder.received[0]).name
-        raise Interrupted(f"interrupted by {name}: {what}", 128 + forwarder.received[0])
+        name = signal.Signals(received[0]).name
+        raise Interrupted(f"interrupted by {name}: {what}", 128 + received[0])
     if code == 0:
         return
     resume = (

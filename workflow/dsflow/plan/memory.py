@@ -1,0 +1,502 @@
+"""The planner's memory model: what training a model takes per GPU (and host), analytically.
+
+Everything is analytic (nothing is instantiated), from the model shape (:mod:`dsflow.model`),
+the batch and the DeepSpeed ZeRO layout, and follows what DeepSpeed 0.19 and HF transformers 5
+actually allocate:
+
+Model states (``P`` parameters, ``N`` data-parallel ranks, 16-bit = bf16/fp16):
+
+- weights: 2 B/param in 16-bit (4 in fp32), a full copy on every GPU below ZeRO-3, ``1/N`` at
+  ZeRO-3, none on the GPU with ZeRO-3 parameter offload.
+- gradients: 2 B/param (4 in fp32), full at ZeRO-0/1, ``1/N`` from ZeRO-2 on, on the host with
+  optimizer offload at ZeRO-2/3.
+- optimizer: fp32 master weights + Adam m and v = 12 B/param under mixed precision, replicated at
+  ZeRO-0 and ``1/N`` from ZeRO-1 on. In fp32 training the master *is* the weights (8 B/param) at
+  ZeRO-0 and ZeRO-3, but DeepSpeed's ZeRO-1/2 optimizer clones its partition anyway
+  (``stage_1_and_2.py``: ``single_partition_of_fp32_groups``), so 12 B/param there too.
+- fp32 gradients during ``optimizer.step()``: DeepSpeed converts this rank's gradient partition
+  to fp32 before Adam runs (4 B/param x ``1/N``; the full model at ZeRO-0; at ZeRO-3 one
+  ``sub_group_size`` = 1e9 elements at a time). That copy only exists inside the step, after the
+  activations are freed, so the peak is ``states + max(forward/backward set, step set)``.
+  DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``: ``2P + 18P/N``) add it
+  to the steady state; ``model_states`` here is the same sum, so the two compare directly.
+
+Activations: what autograd keeps for backward in HF's ``DeepseekV3ForCausalLM`` with SDPA
+attention and the ``grouped_mm`` experts kernel (CUDA), per token, ``a`` = 2 bytes (4 in fp32).
+(The sorted experts, the CUDA default, keep a little less than HF's: docs/performance.md has
+the measured peaks.)
+
+- RMSNorm upcasts: it saves an fp32 copy of its input and the normalized 16-bit tensor
+  (``(4 + a) x width``), its consumer saves the output (``a x width``).
+- MLA: the attention input, the q_lora / kv_lora compressed latents through their norms, the
+  query and key states (``heads x (nope + rope)``), the kv_b_proj output that the value view keeps
+  alive (``heads x (nope + v)``), the attention output twice (SDPA's own + the contiguous copy
+  o_proj saves) and SDPA's fp32 logsumexp per head. SDPA's flash / memory-efficient kernels store
+  no seq x seq matrix (eager attention would add ``heads x seq^2`` per sequence per layer).
+- MoE: the router's fp32 input copy and sigmoid scores (+ the balancer's sequence-wise aux loss
+  scores), and per (token, top-k expert) pair the gathered input, the fused gate_up output, the
+  SiLU output, the gated product, the down-projection output, the routing weight and three int64
+  permutation indices; the shared experts and dense MLPs save 4 x intermediate each.
+- The head: the final norm, then the logits: dsflow computes the loss in fp32
+  (``F.cross_entropy(logits.float())``), so log_softmax keeps an fp32 ``vocab``-wide row per
+  token and backward briefly holds three of them (saved output, incoming grad, outgoing grad):
+  ``12 x vocab`` bytes per token, often the single largest activation.
+- With activation checkpointing (HF ``gradient_checkpointing_enable``, per decoder layer) only
+  each layer's input stays (``a x hidden`` per token per layer); backward recomputes one layer at
+  a time.
+
+Plus DeepSpeed's communication buckets, ZeRO-3's gathered module, and
+:data:`FRAMEWORK_OVERHEAD`. The estimate is a model, not a measurement: it is meant to be within
+~10-15 % of ``torch.cuda.max_memory_reserved()``; a GPU run will calibrate it.
+
+Sizes are in GB = 10^9 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from dsflow.model import presets
+from dsflow.model.flops import flops_per_token
+
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """Memory that is not tensors of the model: see :data:`FRAMEWORK_OVERHEAD`."""
+
+    gpu_fixed_bytes: int
+    gpu_fraction: float
+    host_per_rank_bytes: int
+
+
+# The one framework-overhead constant.
+# - gpu_fixed_bytes, 1 GiB: the CUDA context (~0.3-0.6 GB with lazy module loading on
+#   Ampere/Ada/Hopper drivers), cuBLAS/cuBLASLt workspaces (torch's default
+#   CUBLAS_WORKSPACE_CONFIG, tens of MB per stream), NCCL communicators (NCCL_BUFFSIZE 4 MiB per
+#   channel and peer for each of DeepSpeed's process groups: ~0.1-0.4 GB), DeepSpeed's fused-op
+#   kernels. 0.8-1.2 GB is what nvidia-smi shows for an idle torch + NCCL process.
+# - gpu_fraction, 8 %: the caching allocator's fragmentation (memory_reserved over
+#   memory_allocated), typically 5-10 % in training loops with variable-size MoE dispatch
+#   buffers; applied to everything allocated.
+# - host_per_rank_bytes, 2 GB: resident size of one rank's Python + torch + transformers +
+#   DeepSpeed process (CUDA libraries mapped), before any model tensor.
+FRAMEWORK_OVERHEAD = Overhead(gpu_fixed_bytes=2**30, gpu_fraction=0.08, host_per_rank_bytes=2 * GB)
+
+# DeepSpeed 0.19 defaults that dsflow's generated config does not set.
+DS_ALLREDUCE_BUCKET = 500_000_000  # ZeRO-0 gradient all-reduce bucket (allreduce_bucket_size)
+DS_STAGE3_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size (16-bit elements)
+DS_SUB_GROUP_SIZE = 1_000_000_000  # ZeRO-3 optimizer sub-group (fp32 gradient copy at step)
+
+DEFAULT_BUCKETS = (200_000_000, 200_000_000)  # train.zero.{reduce,allgather}_bucket_size
+
+
+def round_gb(n: float) -> float:
+    """Bytes as GB (1e9), rounded to 0.01: what plan.json holds."""
+    return round(n / GB, 2)
+
+
+def fmt_gb(n: float) -> str:
+    """Bytes as "12.3 GB" (1e9), for messages."""
+    return f"{n / GB:,.1f} GB"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """How a run is laid out, as far as memory goes: everything :func:`estimate` needs besides
+    the model. ``fused_optimizer``: train.perf.optimizer asks for dsflow's fused optimizer
+    (dsflow.train.masteradam), which counts only at ZeRO-0 in bf16. ``bucket_sizes`` =
+    (``reduce_bucket_size``, ``allgather_bucket_size``) in elements."""
+
+    seq_len: int
+    micro_batch: int
+    world: int
+    zero_stage: int
+    precision: str
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    activation_checkpointing: bool = False
+    bucket_sizes: tuple[int, int] = DEFAULT_BUCKETS
+    overlap_comm: bool = True
+    seq_aux: bool = True
+    fused_optimizer: bool = False
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fused optimizer runs: at ZeRO-0 in bf16 only."""
+        return self.fused_optimizer and self.zero_stage == 0 and self.precision == "bf16"
+
+    def layout(self, zero_stage: int, offload_optimizer: bool, offload_params: bool) -> Setup:
+        """This setup in another memory layout."""
+        return dataclasses.replace(
+            self,
+            zero_stage=zero_stage,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+        )
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def largest_module(config: Any) -> tuple[int, str, int, str]:
+    """(params, name) of the module with the most *direct* parameters, and (numel, name) of the
+    largest single parameter, of ``DeepseekV3ForCausalLM(config)``.
+
+    "Module" in DeepSpeed's sense (``estimate_zero3_model_states_mem_needs_all_live``: each
+    module's ``parameters(recurse=False)``): ZeRO-3 gathers one module's parameters at a time.
+    HF stores a layer's routed experts as two fused 3-D tensors in ONE module, so at ZeRO-3 the
+    whole expert bank of a layer is gathered on every GPU at once.
+    """
+    d = presets._dims(config)
+    H, V, heads = d["H"], d["V"], d["heads"]
+    bias = bool(getattr(config, "attention_bias", False))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    modules: list[tuple[int, str]] = [(V * H, "embed_tokens")]
+    params: list[tuple[int, str]] = [(V * H, "embed_tokens.weight")]
+    if not tied:
+        modules.append((V * H, "lm_head"))
+    if config.q_lora_rank is None:
+        modules.append((H * heads * d["qk"], "self_attn.q_proj"))
+    else:
+        modules.append((H * d["q_lora"] + (d["q_lora"] if bias else 0), "self_attn.q_a_proj"))
+        modules.append((d["q_lora"] * heads * d["qk"], "self_attn.q_b_proj"))
+    kv_a = H * (d["kv_lora"] + d["rope"]) + ((d["kv_lora"] + d["rope"]) if bias else 0)
+    modules.append((kv_a, "self_attn.kv_a_proj_with_mqa"))
+    modules.append((d["kv_lora"] * heads * (d["nope"] + d["v"]), "self_attn.kv_b_proj"))
+    modules.append((heads * d["v"] * H + (H if bias else 0), "self_attn.o_proj"))
+    params.extend(modules[1:])  # attention modules hold one weight each (+ a small bias)
+    if d["n_dense"]:
+        modules.append((H * d["inter"], "mlp.gate_proj (dense)"))
+        params.append((H * d["inter"], "mlp.gate_proj.weight (dense)"))
+    if d["n_moe"]:
+        E, mi = d["E"], d["mi"]
+        modules.append((E * 3 * H * mi, f"mlp.experts ({E} routed experts, fused)"))
+        params.append((E * 2 * mi * H, "mlp.experts.gate_up_proj"))
+        modules.append((E * H, "mlp.gate (router)"))
+        if d["shared"]:
+            modules.append((H * mi * d["shared"], "mlp.shared_experts.gate_proj"))
+    best_module = max(modules, key=lambda m: (m[0], m[1]))
+    best_param = max(params, key=lambda m: (m[0], m[1]))
+    return best_module[0], best_module[1], best_param[0], best_param[1]
+
+
+def bytes_per_element(precision: str) -> int:
+    """Bytes of one weight, gradient or activation element in this training precision."""
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
+    return 4 if precision == "fp32" else 2
+
+
+def _norm(width: int, a: int) -> int:
+    """RMSNorm per token: its fp32 input copy + the normalized 16-bit tensor (the output is its
+    consumer's)."""
+    return (4 + a) * width
+
+
+def _attention_per_token(config: Any, d: dict[str, int], a: int) -> int:
+    heads = d["heads"]
+    q = (_norm(d["q_lora"], a) + a * d["q_lora"]) if config.q_lora_rank else 0
+    return (
+        a * d["H"]  # input of q/kv_a projections (the norm output)
+        + q  # q_a_layernorm + q_b_proj input
+        + _norm(d["kv_lora"], a)
+        + a * d["kv_lora"]  # kv_a_layernorm + kv_b_proj input
+        + 2 * a * heads * d["qk"]  # query and key states (SDPA inputs)
+        + a * heads * (d["nope"] + d["v"])  # kv_b_proj output, kept alive by the value view
+        + 2 * a * heads * d["v"]  # SDPA output + the contiguous copy o_proj saves
+        + 4 * heads  # SDPA logsumexp (fp32)
+    )
+
+
+def _mlps_per_token(d: dict[str, int], a: int, seq_aux: bool) -> tuple[int, int]:
+    """(dense MLP, MoE MLP) bytes per token, each with its post-attention norm."""
+    H, K, E = d["H"], d["K"], d["E"]
+    post_norm = _norm(H, a) + a * H
+    dense_mlp = post_norm + 4 * a * d["inter"]
+    router = (
+        (4 * H if a < 4 else 0)  # fp32 copy of the router input
+        + 4 * E  # sigmoid scores
+        + (4 * E if seq_aux else 0)  # the balancer's sequence-wise aux-loss scores
+        + E  # group mask (bool)
+        + 24 * K  # top-k indices, weights, normalisation
+    )
+    routed = K * (a * (2 * H + 4 * d["mi"]) + 4 + 24)
+    shared = 4 * a * d["mi"] * d["shared"]
+    return dense_mlp, post_norm + router + routed + shared
+
+
+def activation_bytes(
+    config: Any,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    seq_aux: bool = True,
+) -> dict[str, Any]:
+    """Activation memory of one micro batch, without and with activation checkpointing.
+
+    ``saved_*`` is what autograd keeps between forward and backward (what
+    ``torch.autograd.graph.saved_tensors_hooks`` sees, parameters excluded); ``peak_*`` adds the
+    transient peak on top (the fp32 logits in backward, or one recomputed layer).
+    """
+    d = presets._dims(config)
+    a = bytes_per_element(precision)
+    T = micro_batch * seq_len
+    H, V, K, E = d["H"], d["V"], d["K"], d["E"]
+
+    attention = _attention_per_token(config, d, a)
+    dense_mlp, moe_mlp = _mlps_per_token(d, a, seq_aux)
+    per_tok_dense = _norm(H, a) + attention + dense_mlp
+    per_tok_moe = _norm(H, a) + attention + moe_mlp
+    rope_per_layer = a * d["rope"] * seq_len  # cos/sin in the activation dtype, per position
+    router_weight = 4 * E * H if a < 4 else 0  # fp32 copy of the router weight, per MoE layer
+    layer_dense = per_tok_dense * T + rope_per_layer
+    layer_moe = per_tok_moe * T + rope_per_layer + router_weight
+    layers = d["n_dense"] * layer_dense + d["n_moe"] * layer_moe
+    embed = 24 * T + 8 * d["rope"] * seq_len  # ids, targets, embedding indices; fp32 cos/sin
+    head = (_norm(H, a) + a * H) * T  # final norm + lm_head input
+    logits_saved = 4 * V * T  # fp32 log_softmax output
+    logits_peak = 12 * V * T  # backward: saved output + grad in + grad out, all fp32
+    # grouped_mm: routing-weighted expert outputs are fp32 (bf16 x fp32 scores) and are
+    # un-permuted into a second fp32 copy: transient, one layer at a time (backward: their grads).
+    moe_transient = (8 * H * K * T) if d["n_moe"] else 0
+    largest_layer = max(layer_dense if d["n_dense"] else 0, layer_moe if d["n_moe"] else 0)
+
+    saved_full = embed + layers + head + logits_saved
+    peak_full = embed + layers + head + max(logits_peak, moe_transient)
+    ckpt_inputs = d["L"] * a * H * T  # each checkpointed layer keeps its input only
+    saved_ckpt = embed + ckpt_inputs + head + logits_saved
+    peak_ckpt = embed + ckpt_inputs + head + max(logits_peak, largest_layer + moe_transient)
+    return {
+        "tokens": T,
+        "bytes_per_element": a,
+        "per_token_dense_layer": per_tok_dense,
+        "per_token_moe_layer": per_tok_moe,
+        "per_token_attention": attention,
+        "per_token_moe_mlp": moe_mlp,
+        "layer_dense": layer_dense,
+        "layer_moe": layer_moe,
+        "layers": layers,
+        "embedding": embed,
+        "head": head,
+        "logits_saved": logits_saved,
+        "logits_peak": logits_peak,
+        "moe_transient": moe_transient,
+        "checkpointed_inputs": ckpt_inputs,
+        "saved_no_checkpointing": saved_full,
+        "saved_checkpointing": saved_ckpt,
+        "peak_no_checkpointing": peak_full,
+        "peak_checkpointing": peak_ckpt,
+    }
+
+
+# --------------------------------------------------------------------------- estimate
+
+
+def _ceil_div(n: int, k: int) -> int:
+    return -(-n // k)
+
+
+def _check(setup: Setup) -> None:
+    if setup.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0..3, got {setup.zero_stage!r}")
+    if setup.world < 1 or setup.micro_batch < 1 or setup.seq_len < 1:
+        raise ValueError("world, micro_batch and seq_len must be >= 1")
+    if setup.offload_optimizer and setup.zero_stage == 0:
+        raise ValueError("optimizer offload needs ZeRO stage >= 1")
+    if setup.offload_params and setup.zero_stage != 3:
+        raise ValueError("parameter offload needs ZeRO-3")
+
+
+def _model_states(P: int, s: Setup) -> tuple[dict[str, int], dict[str, int]]:
+    """(per-GPU, per-rank host) bytes of weights, gradients and optimizer states."""
+    w = bytes_per_element(s.precision)  # weight and gradient bytes
+    fp32, z = s.precision == "fp32", s.zero_stage
+    part = _ceil_div(P, s.world)  # this rank's partition
+    if z == 3:
+        weights = 0 if s.offload_params else w * part
+    else:
+        weights = w * P
+    if z <= 1:
+        grads = w * P
+    else:
+        grads = 0 if s.offload_optimizer else w * part
+    if fp32 and z in (0, 3):
+        master = 0  # the optimizer updates the (fp32) weights themselves
+    else:
+        master = 4 * (P if z == 0 else part)
+    adam = 8 * (P if z == 0 else part)
+    if z == 0:
+        # FP16_Optimizer's fp32 flat gradients; the fused optimizer reads the 16-bit ones.
+        grads_fp32 = 0 if fp32 or s.fused else 4 * P
+    elif z == 3:
+        grads_fp32 = 4 * min(part, DS_SUB_GROUP_SIZE)
+    else:
+        grads_fp32 = 4 * part
+    host = {"optimizer": 0, "gradients": 0, "parameters": 0}
+    if s.offload_optimizer:
+        # On the host: the fp32 master + Adam partitions, an fp32 gradient partition for the CPU
+        # optimizer, and a pinned 16-bit staging buffer (ZeRO-1/2: of the updated weights,
+        # stage_1_and_2's param_buffer_of_bit16_for_cpu_offload_groups; ZeRO-3: of the
+        # gradients, stage3's grad_partitions_flat_buffer).
+        host["optimizer"] = master + adam
+        host["gradients"] = 4 * part + (w * part if z == 3 else 0)
+        if z in (1, 2):
+            host["parameters"] += w * part
+        master = adam = grads_fp32 = 0
+    if s.offload_params:
+        host["parameters"] += w * part
+    gpu = {"weights": weights, "gradients": grads, "optimizer": master + adam}
+    return {**gpu, "gradients_fp32_step": grads_fp32}, host
+
+
+def _working_sets(P: int, shapes: tuple, activations: int, s: Setup) -> dict[str, int]:
+    """Per-GPU bytes that exist during forward/backward only, besides the model states."""
+    w = bytes_per_element(s.precision)
+    big_module, _, big_param, _ = shapes
+    reduce_bucket = int(s.bucket_sizes[0])
+    if s.zero_stage == 0:
+        # fused: DeepSpeed flattens the bf16 gradients, then all-reduces an fp32 copy
+        buckets = (w + 4 if s.fused else w) * min(P, DS_ALLREDUCE_BUCKET) if s.world > 1 else 0
+    elif s.zero_stage in (1, 2):
+        # reduce buckets (double-buffered with overlap_comm); the updated partitions are
+        # all-gathered in place into the flat 16-bit buffer, so allgather_bucket costs nothing.
+        buckets = w * reduce_bucket * (2 if s.overlap_comm else 1)
+    else:
+        buckets = w * reduce_bucket + w * DS_STAGE3_PREFETCH_BUCKET
+    return {
+        "activations": activations,
+        "buckets": buckets,
+        # ZeRO-2 grads arrive whole per parameter before being copied into a bucket and freed;
+        # ZeRO-3 gathers a module's parameters and receives its gradient whole.
+        "grad_transient": w * big_param if s.zero_stage == 2 else 0,
+        "zero3_gathered": 2 * w * big_module if s.zero_stage == 3 else 0,
+    }
+
+
+def inputs(config: Any, setup: Setup) -> dict[str, Any]:
+    """The setup as an estimate records it (``fused_optimizer``: whether it counts)."""
+    return {
+        "seq_len": setup.seq_len,
+        "micro_batch": setup.micro_batch,
+        "world": setup.world,
+        "zero_stage": setup.zero_stage,
+        "precision": setup.precision,
+        "offload_optimizer": bool(setup.offload_optimizer),
+        "offload_params": bool(setup.offload_params),
+        "activation_checkpointing": bool(setup.activation_checkpointing),
+        "bucket_sizes": [int(b) for b in setup.bucket_sizes],
+        "overlap_comm": bool(setup.overlap_comm),
+        "seq_aux": bool(setup.seq_aux),
+        "fused_optimizer": bool(setup.fused),
+        "vocab_size": int(config.vocab_size),
+    }
+
+
+def estimate(config: Any, setup: Setup) -> dict[str, Any]:
+    """Per-GPU (and host) bytes of training ``config`` laid out as ``setup``; see the module
+    doc. ``gpu.total`` is the predicted peak (``max_memory_reserved`` + the fixed overhead).
+
+    With dsflow's fused optimizer (``setup.fused``) there are no fp32 gradient copies; DeepSpeed
+    sees an fp32 model, so its all-reduce buckets hold the flattened bf16 gradients and an fp32
+    copy of them.
+    """
+    _check(setup)
+    P = presets.param_counts(config)["total"]
+    shapes = largest_module(config)
+    states, host = _model_states(P, setup)
+    acts = activation_bytes(
+        config,
+        seq_len=setup.seq_len,
+        micro_batch=setup.micro_batch,
+        precision=setup.precision,
+        seq_aux=setup.seq_aux,
+    )
+    peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
+    work = _working_sets(P, shapes, acts[peak], setup)
+    persistent = states["weights"] + states["gradients"] + states["optimizer"]
+    fwd_bwd = sum(work.values())
+    step = states["gradients_fp32_step"]
+    allocated = persistent + max(fwd_bwd, step)
+    oh = FRAMEWORK_OVERHEAD
+    overhead = oh.gpu_fixed_bytes + int(oh.gpu_fraction * allocated)
+    # Host: every rank builds the model in fp32 on CPU (dsflow.model.build) before DeepSpeed
+    # casts it and moves it to the GPU; offloaded states replace it afterwards.
+    init_per_rank = 4 * P
+    host_per_rank = max(init_per_rank, sum(host.values())) + oh.host_per_rank_bytes
+    gpu = {
+        **states,
+        "model_states": persistent + step,
+        **work,
+        "overhead": overhead,
+        "allocated": allocated,
+        "total": allocated + overhead,
+    }
+    return {
+        "inputs": inputs(config, setup),
+        "params": {
+            "total": P,
+            "largest_module": shapes[0],
+            "largest_module_name": shapes[1],
+            "largest_param": shapes[2],
+            "largest_param_name": shapes[3],
+        },
+        "gpu": gpu,
+        "peak_phase": "optimizer step" if step > fwd_bwd else "forward/backward",
+        "activations": acts,
+        "host": {
+            **host,
+            "init_per_rank": init_per_rank,
+            "per_rank": host_per_rank,
+            "node_total": host_per_rank * setup.world,
+        },
+    }
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def summary(
+    config: Any,
+    *,
+    seq_len: int,
+    tokens_per_step: int,
+    precision: str,
+    zero_stage: int,
+    keep_checkpoints: int,
+) -> dict[str, Any]:
+    """Parameter counts, FLOPs (the trainer's MFU formula) and on-disk sizes.
+
+    A DeepSpeed checkpoint holds the 16-bit module weights (mp_rank_00_model_states.pt; not at
+    ZeRO-3, whose fp32 partitions suffice) and every rank's fp32 master + Adam m, v partitions
+    (zero_pp_rank_*_optim_states.pt): 2 + 12 = 14 B/param under mixed precision. dsflow saves
+    the new checkpoint before pruning to ``keep_checkpoints``, so keep + 1 exist at the peak,
+    plus the exported HF model (models/final, safetensors in the training dtype).
+    """
+    counts = presets.param_counts(config)
+    P = counts["total"]
+    w = bytes_per_element(precision)
+    module = 0 if zero_stage == 3 else w * P
+    if precision == "fp32":
+        optim = (8 if zero_stage in (0, 3) else 12) * P
+    else:
+        optim = 12 * P
+    ckpt = module + optim
+    export = w * P
+    fpt = flops_per_token(config, seq_len)
+    return {
+        "params_total": P,
+        "params_activated": counts["activated"],
+        "params_activated_non_embedding": counts["activated_non_embedding"],
+        "flops_per_token": fpt,
+        "tokens_per_step": tokens_per_step,
+        "flops_per_step": fpt * tokens_per_step,
+        "checkpoint_bytes": ckpt,
+        "export_bytes": export,
+        "keep_checkpoints": keep_checkpoints,
+        "disk_bytes": (keep_checkpoints + 1) * ckpt + export,
+    }

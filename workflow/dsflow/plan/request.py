@@ -1,0 +1,338 @@
+"""What a plan is asked: the model, batch, ranks, memory layout and GPUs of a run, resolved from
+params, the ad-hoc flags of `python -m dsflow plan` and this machine (:mod:`dsflow.machine`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsflow import dsconfig, machine
+from dsflow.errors import UsageError
+from dsflow.model import presets
+from dsflow.model.build import load_checkpoint_config
+from dsflow.paths import shard_index
+from dsflow.plan import memory
+
+DEFAULT_VOCAB = 32000
+
+# Total memory of a GPU by flops.GPU_PEAK_TFLOPS key (nvidia-smi's "Total" as commonly reported,
+# in bytes; not verified on every card here), for planning a machine that is not this one.
+# A visible GPU's own torch.cuda.get_device_properties().total_memory and --gpu-mem win.
+GPU_MEMORY_BYTES: dict[str, int] = {
+    "B200": 183_359 * 2**20,
+    "H200 SXM": 143_771 * 2**20,
+    "H200 NVL": 143_771 * 2**20,
+    "H100 SXM": 81_559 * 2**20,
+    "H100 NVL": 95_830 * 2**20,
+    "H100 PCIe": 81_559 * 2**20,
+    "A100": 81_920 * 2**20,  # the 80 GB model; pass --gpu-mem 40 for the 40 GB one
+    "L40S": 46_068 * 2**20,
+    "L40": 46_068 * 2**20,
+    "L4": 23_034 * 2**20,
+    "A10": 23_028 * 2**20,
+    "A10G": 23_028 * 2**20,
+    "RTX 4090": 24_564 * 2**20,
+    "RTX 3090": 24_576 * 2**20,
+}
+# Profile file names (profiles/*.yaml) that name a GPU: substring -> GPU_MEMORY_BYTES key.
+PROFILE_GPUS = (
+    ("4090", "RTX 4090"),
+    ("3090", "RTX 3090"),
+    ("h200", "H200 SXM"),
+    ("h100", "H100 SXM"),
+    ("a100", "A100"),
+    ("b200", "B200"),
+    ("l40s", "L40S"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request(memory.Setup):
+    """Everything a plan depends on, resolved from params (+ ad-hoc flags): the memory setup,
+    plus the model and where each number came from."""
+
+    config: Any
+    preset: str
+    vocab_size: int
+    vocab_source: str
+    grad_accum: int
+    keep_checkpoints: int
+    gpu_mem_bytes: int | None
+    gpu_mem_source: str
+    host_mem_bytes: int | None
+    host_mem_source: str
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def record(self) -> dict[str, Any]:
+        """The request as reports/plan.json holds it (JSON types)."""
+        return {
+            "preset": self.preset,
+            "vocab_size": self.vocab_size,
+            "vocab_source": self.vocab_source,
+            "grad_accum": self.grad_accum,
+            "gpu_mem_bytes": self.gpu_mem_bytes,
+            "gpu_mem_source": self.gpu_mem_source,
+            "host_mem_bytes": self.host_mem_bytes,
+            "host_mem_source": self.host_mem_source,
+            **memory.inputs(self.config, self),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """Parameter counts, FLOPs and disk sizes of this run (:func:`memory.summary`)."""
+        return memory.summary(
+            self.config,
+            seq_len=self.seq_len,
+            tokens_per_step=self.micro_batch * self.grad_accum * self.world * self.seq_len,
+            precision=self.precision,
+            zero_stage=self.zero_stage,
+            keep_checkpoints=self.keep_checkpoints,
+        )
+
+
+def fused_optimizer_wanted(train: dict, world: int) -> bool:
+    """train.perf.optimizer asks for dsflow's fused optimizer (dsflow.train.masteradam) where it can
+    run: `fused` on any number of GPUs, `auto` on one GPU (where it is faster than DeepSpeed's:
+    docs/performance.md) unless a DeepSpeed config file of the user's is merged
+    (train.ds_config: its settings are for DeepSpeed's optimizer); bf16, the optimizer on the
+    GPU. It runs at ZeRO-0."""
+    value = (train.get("perf") or {}).get("optimizer", "auto")
+    offload = (train.get("offload") or {}).get("optimizer", "none") != "none"
+    wanted = value == "fused" or (value == "auto" and world == 1 and not train.get("ds_config"))
+    return wanted and train.get("precision") == "bf16" and not offload
+
+
+def auto_first_stage(train: dict, world: int) -> int:
+    """The first ZeRO stage `train.zero_stage: auto` tries on GPUs: ZeRO-2; on one GPU, where
+    there is nothing to partition, ZeRO-1 (no per-parameter gradient hooks); ZeRO-0 where
+    dsflow's fused optimizer is wanted (`fused_optimizer_wanted`: on one GPU by default), the
+    one stage it runs at; ZeRO-3 with parameter offload (it exists only there)."""
+    offload = train.get("offload") or {}
+    if offload.get("param", "none") != "none":
+        return 3
+    if fused_optimizer_wanted(train, world):
+        return 0
+    return 1 if world == 1 else 2
+
+
+# --------------------------------------------------------------------------- resolving
+
+
+def _arg(args: Any, name: str) -> Any:
+    return getattr(args, name, None) if args is not None else None
+
+
+def _index_vocab() -> int | None:
+    path = shard_index("train")
+    try:
+        return int(json.loads(path.read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _profile_gpu(args: Any) -> str | None:
+    names = list(_arg(args, "profile") or [])
+    names += [p for p in os.environ.get("DSFLOW_PROFILES", "").split(os.pathsep) if p]
+    for name in names:
+        stem = Path(str(name)).stem.lower()
+        for needle, key in PROFILE_GPUS:
+            if needle in stem:
+                return key
+    return None
+
+
+def _model(params: dict, args: Any, notes: list[str]) -> tuple[str, dict, str | None]:
+    """(preset, overrides, pretrained): ``--model`` replaces params' model."""
+    model = params["model"]
+    preset, overrides, pretrained = model["preset"], model.get("overrides") or {}, None
+    if _arg(args, "model"):
+        if _arg(args, "model") != preset and (overrides or model.get("pretrained")):
+            notes.append("--model given: params' model.overrides / model.pretrained ignored")
+        preset, overrides = _arg(args, "model"), {}
+    else:
+        pretrained = model.get("pretrained")
+    if preset not in presets.PRESETS:
+        raise UsageError(
+            f"unknown model preset {preset!r}; choose one of: {', '.join(presets.PRESETS)}"
+        )
+    return preset, overrides, pretrained
+
+
+def _world(train: dict, args: Any, world: int | None, gpus: list[dict]) -> int:
+    if world is None:
+        world = _arg(args, "gpus") or train["gpus"]
+        if world == "auto":
+            world = len(gpus) or 1
+        if not _arg(args, "gpus"):  # train.gpus is per node
+            world = int(world) * train.get("nodes", 1)
+    world = int(world)
+    if world < 1:
+        raise UsageError(f"--gpus must be >= 1, got {world}")
+    return world
+
+
+def _config(
+    params: dict, args: Any, model: tuple[str, dict, str | None], notes: list[str]
+) -> tuple[Any, str]:
+    """(model config, where its vocabulary size came from)."""
+    preset, overrides, pretrained = model
+    vocab, vocab_source = _arg(args, "vocab"), "--vocab"
+    if vocab is None and pretrained and os.path.isdir(pretrained):
+        config = load_checkpoint_config(pretrained)
+        return config, f"model.pretrained {pretrained}"
+    if pretrained:
+        notes.append(
+            f"model.pretrained {pretrained!r} is not a local directory: planned the preset"
+        )
+    if vocab is None:
+        vocab, vocab_source = _index_vocab(), str(shard_index("train"))
+    tok = params.get("tokenizer", {})
+    if vocab is None and not _arg(args, "model") and not tok.get("pretrained"):
+        # No shards yet: the tokenizer stage will train this many tokens (at most).
+        vocab, vocab_source = tok.get("vocab_size"), "tokenizer.vocab_size"
+    if vocab is None:
+        vocab = presets.PRESETS[preset].get("published_vocab_size")
+        vocab_source = f"{preset}'s published vocabulary"
+    if vocab is None:
+        vocab, vocab_source = DEFAULT_VOCAB, "default"
+    return presets.model_config(preset, int(vocab), overrides), vocab_source
+
+
+def _batch(train: dict, args: Any, world: int) -> tuple[int, int]:
+    """(micro batch, grad_accum)."""
+    micro = _arg(args, "micro_batch")
+    if micro is not None:
+        return int(micro), int(train["grad_accum"] or 1)
+    batch = dsconfig.resolve_batch(
+        train["micro_batch"], train["grad_accum"], train["global_batch"], world
+    )
+    return int(batch.micro), int(batch.accum)
+
+
+def _layout(train: dict, args: Any, world: int, notes: list[str]) -> tuple[int, bool, bool]:
+    """(ZeRO stage, optimizer offload, parameter offload); `auto` plans its first stage."""
+    zero = _arg(args, "zero")
+    if zero is None and train["zero_stage"] == "auto":
+        zero = auto_first_stage(train, world)
+        notes.append(
+            f"train.zero_stage: auto: planned as ZeRO-{zero}; the train stage picks the "
+            "cheapest layout that fits (see cheapest fit)"
+        )
+    zero = int(train["zero_stage"] if zero is None else zero)
+    offload = train.get("offload") or {}
+    offload_opt = bool(_arg(args, "offload_optimizer")) or (
+        _arg(args, "zero") is None and offload.get("optimizer", "none") != "none"
+    )
+    offload_par = bool(_arg(args, "offload_params")) or (
+        _arg(args, "zero") is None and offload.get("param", "none") != "none"
+    )
+    if offload_par and zero != 3:
+        raise UsageError("--offload-params needs ZeRO-3 (--zero 3)")
+    if offload_opt and zero == 0:
+        raise UsageError("--offload-optimizer needs ZeRO stage 1, 2 or 3")
+    return zero, offload_opt, offload_par
+
+
+def _gpu_memory(
+    args: Any, gpus: list[dict], world: int, given: int | None
+) -> tuple[int | None, str]:
+    """(bytes per GPU, where that came from)."""
+    if given is not None:
+        return given, "given"
+    if _arg(args, "gpu_mem") is not None:
+        return int(float(_arg(args, "gpu_mem")) * memory.GB), "--gpu-mem"
+    if gpus:
+        used = gpus[: max(1, min(world, len(gpus)))]
+        smallest = min(used, key=lambda g: g["total_memory"])
+        return smallest["total_memory"], f"visible GPU {smallest['name']}"
+    if (key := _profile_gpu(args)) is not None:
+        return GPU_MEMORY_BYTES[key], f"profile ({key})"
+    return None, "unknown"
+
+
+def _host_memory(args: Any, given: int | None, gpu_source: str) -> tuple[int | None, str]:
+    """(host RAM bytes, where that came from): this machine's when its GPUs are planned for."""
+    if given is not None:
+        return given, "given"
+    if _arg(args, "host_mem") is not None:
+        return int(float(_arg(args, "host_mem")) * memory.GB), "--host-mem"
+    if gpu_source.startswith("visible"):
+        return machine.host_memory_bytes(), "this machine"
+    return None, "unknown"
+
+
+def resolve(
+    params: dict,
+    args: Any = None,
+    *,
+    world: int | None = None,
+    gpus: list[dict[str, Any]] | None = None,
+    gpu_mem_bytes: int | None = None,
+    host_mem_bytes: int | None = None,
+) -> Request:
+    """The plan's inputs from params, the ad-hoc flags in ``args`` and the machine.
+
+    - model: ``--model`` (then params' overrides / pretrained are ignored), else
+      ``model.preset`` + ``model.overrides``, or a local ``model.pretrained`` checkpoint's config.
+    - vocabulary: ``--vocab``; the pretrained checkpoint's; ``data/shards/train/index.json``
+      (what train uses); without shards ``tokenizer.vocab_size`` (what the tokenizer stage will
+      train, unless ``tokenizer.pretrained`` or ``--model``); the preset's
+      ``published_vocab_size``; 32000.
+    - world: ``world`` / ``--gpus`` / ``train.gpus`` x ``train.nodes`` (auto: the visible GPUs,
+      else 1).
+    - GPU memory: ``gpu_mem_bytes`` / ``--gpu-mem``; the smallest of the visible GPUs used
+      (``torch.cuda.get_device_properties``); a GPU named by a profile file (rtx4090x3.yaml);
+      else unknown. Host RAM: ``host_mem_bytes`` / ``--host-mem``; this machine's when its
+      GPUs are the ones planned for; else unknown (not checked).
+
+    ``gpus`` (the visible GPUs as :func:`dsflow.machine.gpus` returns them) and
+    ``host_mem_bytes`` replace what this machine reports (the pre-launch checks pass theirs).
+    """
+    train = params["train"]
+    notes: list[str] = []
+    model = _model(params, args, notes)
+    if gpus is None:
+        gpus = machine.gpus()
+    world = _world(train, args, world, gpus)
+    config, vocab_source = _config(params, args, model, notes)
+    micro, accum = _batch(train, args, world)
+    zero, offload_opt, offload_par = _layout(train, args, world, notes)
+    zcfg = train.get("zero", {})
+    gpu_mem, gpu_source = _gpu_memory(args, gpus, world, gpu_mem_bytes)
+    host_mem, host_source = _host_memory(args, host_mem_bytes, gpu_source)
+    return Request(
+        config=config,
+        preset=model[0],
+        vocab_size=int(config.vocab_size),
+        vocab_source=vocab_source,
+        seq_len=int(_arg(args, "seq_len") or train["seq_len"]),
+        micro_batch=micro,
+        grad_accum=accum,
+        world=world,
+        zero_stage=zero,
+        precision=_arg(args, "precision") or train["precision"],
+        offload_optimizer=offload_opt,
+        offload_params=offload_par,
+        activation_checkpointing=bool(
+            _arg(args, "activation_checkpointing")
+            or (train.get("perf") or {}).get("activation_checkpointing", False)
+        ),
+        bucket_sizes=(
+            int(zcfg.get("reduce_bucket_size", memory.DEFAULT_BUCKETS[0])),
+            int(zcfg.get("allgather_bucket_size", memory.DEFAULT_BUCKETS[1])),
+        ),
+        overlap_comm=dsconfig.gradient_hooks(
+            {"overlap_comm": "auto", "contiguous_gradients": "auto", **zcfg}, zero, world, "cuda"
+        )[0],
+        seq_aux=float(train.get("balance", {}).get("seq_aux_alpha", 0.0)) > 0,
+        fused_optimizer=fused_optimizer_wanted(train, world),
+        keep_checkpoints=int(train.get("keep_checkpoints", 2)),
+        gpu_mem_bytes=gpu_mem,
+        gpu_mem_source=gpu_source,
+        host_mem_bytes=host_mem,
+        host_mem_source=host_source,
+        notes=notes,
+    )
