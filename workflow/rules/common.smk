@@ -7,23 +7,24 @@ from pathlib import Path
 
 from snakemake.utils import validate
 
-from dsflow import params as dsflow_params
+from dsflow import machine
+from dsflow import params as params_mod
 from dsflow.errors import UsageError
 
 try:
-    config.update(dsflow_params.validate(dict(config), source="Snakemake config"))
+    config.update(params_mod.validate(dict(config), source="Snakemake config"))
 except UsageError as e:
     sys.exit(f"dsflow: error: {e}")
 validate(config, schema="../schemas/params.schema.yaml")
 
 # Stages read params from here when Snakemake runs them, so --configfile overlays and --config
 # overrides reach the command exactly as Snakemake validated them.
-os.environ[dsflow_params.CONFIG_ENV] = json.dumps(config, sort_keys=True)
+os.environ[params_mod.CONFIG_ENV] = json.dumps(config, sort_keys=True)
 
 
 def P(*keys):
     """Rule params for dotted params.yaml keys, named as dvc.yaml names them ('.' -> '__')."""
-    return {key.replace(".", "__"): dsflow_params.get(config, key) for key in keys}
+    return {key.replace(".", "__"): params_mod.get(config, key) for key in keys}
 
 
 def code(*paths):
@@ -46,13 +47,7 @@ def train_gpus():
         return 0
     if train["gpus"] != "auto":
         return train["gpus"]
-    import shutil
-    import subprocess
-
-    if not shutil.which("nvidia-smi"):
-        return 0
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-    return sum(line.startswith("GPU ") for line in out.splitlines())
+    return machine.scheduler_gpus()
 
 
 def cluster_resources(nodes=1):
