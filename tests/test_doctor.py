@@ -180,3 +180,24 @@ def test_run_raises_one_line_on_blockers(monkeypatch, capsys):
     assert "\n" not in msg and msg.startswith("2 blocker(s); first: gpu count:")
     out = capsys.readouterr().out
     assert "peer-to-peer" in out and "NCCL_P2P_DISABLE=1" in out
+
+
+def test_the_machine_is_asked_once_per_process(monkeypatch):
+    """GPUs are counted in one place: the doctor's facts, the planner's GPUs and the train
+    stage's device come from one torch query; Snakemake's count needs no torch."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or False)
+    machine.forget()
+    try:
+        machine.facts(".")
+        machine.facts(".")
+        assert machine.gpus() == [] and len(asked) == 1
+        assert machine.resolve_device({"device": "auto", "gpus": "auto"}) == ("cpu", 1)
+        assert len(asked) == 1
+    finally:
+        machine.forget()
+    smi = {"nvidia_smi": "/usr/bin/nvidia-smi", "driver_version": "570.86", "listed": 4}
+    monkeypatch.setattr(machine, "nvidia_smi", lambda: smi)
+    assert machine.scheduler_gpus({}) == 4
+    assert machine.scheduler_gpus({"CUDA_VISIBLE_DEVICES": "0,2"}) == 2
+    assert machine.scheduler_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 0

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsflow import machine
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
 from dsflow.model.balance import ExpertBalancer
@@ -19,6 +20,7 @@ from dsflow.model.flops import flops_per_token
 from dsflow.model.loss import mean_loss
 from dsflow.model.presets import PRESETS, model_config, param_counts
 from dsflow.plan import layouts, memory, request, stage, tables
+from dsflow.train import stage as train
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 10**9
@@ -502,3 +504,34 @@ def test_the_plan_says_when_it_counts_dsflows_fused_optimizer():
     three = stage.build_plan(_params("profiles/rtx4090x3.yaml"))
     assert not three["request"]["fused_optimizer"]
     assert "fused optimizer" not in tables.format_report(three)
+
+
+def test_the_train_stage_takes_this_plan_when_it_planned_the_same_launch(monkeypatch, tmp_path):
+    """reports/plan.json is the train stage's memory plan when the plan stage planned the same
+    launch (no estimate is made again); planned for other GPUs, train plans again and says so."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DSFLOW_PROFILES", raising=False)
+    monkeypatch.setattr(machine, "gpus", lambda: [])
+    params = _params()
+    params["train"].update(device="cpu", gpus=3)
+    stage.run(params, _args())
+    planned = json.loads((tmp_path / "reports/plan.json").read_text())
+    said = []
+    monkeypatch.setattr(train.log, "info", lambda msg, *a: said.append(msg % a))
+
+    def no_estimate(*_):
+        raise AssertionError("planned again")
+
+    with monkeypatch.context() as m:
+        m.setattr(memory, "estimate", no_estimate)
+        launched, plan = train.plan_memory(params, 3, "cpu")
+    assert plan == planned and said == []
+    assert launched["train"]["zero_stage"] == plan["request"]["zero_stage"] == 2
+
+    stage.run(params, _args("--gpu-mem", "24"))  # planned for 24 GB GPUs
+    _, plan = train.plan_memory(params, 3, "cpu")
+    assert plan["request"]["gpu_mem_bytes"] is None and plan["estimate"] == planned["estimate"]
+    assert said == [
+        "reports/plan.json was planned for 3 GPU(s) of 24.0 GB (--gpu-mem), this launch has "
+        "3 rank(s), GPU memory unknown: planning again"
+    ]

@@ -412,11 +412,11 @@ time.sleep(60)
 """
 STAGE = """
 import subprocess, sys, time
-from dsflow.train.stage import _die_with_parent
+from dsflow.launch import die_with_parent
 child = subprocess.Popen(
     [sys.executable, "-c", sys.argv[1], sys.argv[2]],
     start_new_session=True,
-    preexec_fn=_die_with_parent(),
+    preexec_fn=die_with_parent(),
 )
 print(child.pid, flush=True)
 time.sleep(60)
@@ -819,7 +819,7 @@ def test_malformed_yaml_fails_in_one_line(scratch, data):
 
 DS_CONFIG = json.dumps(
     dsconfig.build(
-        {**P.validate(BASE)["train"], "zero_stage": 2},  # as train.resolve_zero gives a CPU run
+        {**P.validate(BASE)["train"], "zero_stage": 2},  # as train.plan_memory gives a CPU run
         dsconfig.resolve_batch(4, 2, None, 3),
         100,
         "cpu",

@@ -300,7 +300,7 @@ def launch_env(plan: dict) -> dict:
 # --------------------------------------------------------------------------- running the launcher
 
 
-def _die_with_parent():
+def die_with_parent():
     """preexec_fn for the launcher: SIGTERM it when this process dies, even by SIGKILL (Linux),
     so a killed stage never leaves ranks running (they checkpoint and stop)."""
     try:
@@ -379,7 +379,7 @@ def run_launcher(cmd: list[str], env: dict, stop_file: Path, lock: Any = None) -
             cmd,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent(),
+            preexec_fn=die_with_parent(),
             pass_fds=(lock.fd,) if lock else (),
         )
         forwarder.proc = proc
