@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
 
 from conftest import dsflow, update_params
+from dsflow.data.shards import load_index
+from dsflow.evaluate import token_byte_lengths
 
 pytestmark = pytest.mark.slow
 
@@ -48,9 +51,6 @@ def evaluated(prepared, tmp_path_factory):
 
 def test_bits_per_byte_counts_every_target_byte(evaluated):
     from transformers import AutoTokenizer
-
-    from dsflow.data.shards import load_index
-    from dsflow.evaluate import token_byte_lengths
 
     tok = AutoTokenizer.from_pretrained(evaluated / "models/final")
     lengths, exact = token_byte_lengths(tok)
@@ -171,8 +171,6 @@ BROWSER_FLAGS = [
 
 
 def test_report_renders_in_a_real_browser(evaluated, tmp_path):
-    import subprocess
-
     from matplotlib import image
 
     repo = tmp_path / "browser"

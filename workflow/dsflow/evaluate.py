@@ -18,10 +18,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dsflow import params as params_mod
 from dsflow.atomic import atomic_dir, atomic_file
+from dsflow.data.shards import ShardReader
 from dsflow.errors import UsageError
+from dsflow.launch import free_port, launch_env, torchrun_command
+from dsflow.machine import resolve_device
+from dsflow.model.balance import ExpertBalancer
+from dsflow.model.loss import to_batch, token_nll
 from dsflow.paths import EVAL_DETAILS, EVAL_METRICS, FINAL, MANIFEST, SHARDS
-from dsflow.progress import bar, log
+from dsflow.progress import bar, log, setup_logging
 
 WORKER_ENV = "DSFLOW_EVAL_WORKER"
 
@@ -63,8 +69,6 @@ def token_byte_lengths(tokenizer) -> tuple[np.ndarray, bool]:
 
 def window_scores(model, reader, byte_len, micro, device, rank, world, max_windows, balancer):
     """{window index: (nats, tokens, bytes)} for this rank's round-robin share."""
-    from dsflow.model.loss import to_batch, token_nll
-
     n = reader.num_windows if max_windows is None else min(max_windows, reader.num_windows)
     mine = list(range(rank, n, world))
     scores = {}
@@ -129,11 +133,9 @@ def lm_eval_results(tasks: list[str]) -> dict:
     return results.get("results", {})
 
 
-def worker(params: dict, device_type: str) -> None:
+def evaluate_rank(params: dict, device_type: str) -> None:
+    """One rank's share of the windows; rank 0 gathers every share and writes the results."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dsflow.data.shards import ShardReader
-    from dsflow.model.balance import ExpertBalancer
 
     distributed = "RANK" in os.environ
     if distributed:
@@ -212,28 +214,24 @@ def write_results(params, model, tokenizer, scores, expert, exact, world, device
 
 
 def run(params: dict) -> None:
-    from dsflow import params as params_mod
-    from dsflow.launch import free_port, launch_env, torchrun_command
-    from dsflow.machine import resolve_device
-
     if not (FINAL / "config.json").exists():
         raise UsageError(f"{FINAL}: no exported model; run the train stage first")
     device, world = resolve_device(params["train"])
     if world == 1:
-        worker(params, device)
+        evaluate_rank(params, device)
         return
-    plan = {"device": device, "world": world}
     # Ranks get exactly these params (overlays included), not a fresh read of params.yaml.
-    env = {**launch_env(plan), WORKER_ENV: device, params_mod.CONFIG_ENV: json.dumps(params)}
+    env = {
+        **launch_env({"device": device, "world": world}),
+        WORKER_ENV: device,
+        params_mod.CONFIG_ENV: json.dumps(params),
+    }
     code = subprocess.call(torchrun_command(world, str(free_port()), "dsflow.evaluate"), env=env)
     if code != 0:
         raise UsageError(f"evaluation failed (launcher exit {code}); see the rank output above")
 
 
 if __name__ == "__main__":
-    from dsflow import params as params_mod
-    from dsflow.progress import setup_logging
-
     if os.environ.get("RANK", "0") == "0":
         setup_logging("evaluate", append=True)
-    worker(params_mod.load(), os.environ[WORKER_ENV])
+    evaluate_rank(params_mod.load(), os.environ[WORKER_ENV])
