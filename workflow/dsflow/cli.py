@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 import time
 
+import yaml
+
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
+from dsflow.launch import log_name
+from dsflow.progress import log, setup_logging
 
 STAGES = {
     "download": "dsflow.data.download",
@@ -29,8 +34,6 @@ STAGES = {
 
 def _profile(args) -> None:
     """Print a profile as `-S key=value` arguments for `dvc exp run`."""
-    import json
-
     overlay = params_mod.read_yaml(args.file)
     merged = params_mod.deep_merge(params_mod.read_yaml(args.params), overlay)
     params_mod.validate(merged, source=f"{args.params} + {args.file}")
@@ -67,15 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         params = params_mod.load(args.params, overlays=args.profile)
         if args.stage == "validate":
-            import yaml
-
             print(yaml.safe_dump(params, sort_keys=False), end="")
             return 0
-        from dsflow.progress import log, setup_logging
-
         if args.stage == "train":  # several nodes may share logs/: one log per node
-            from dsflow.launch import log_name
-
             setup_logging(log_name(params["train"]))
         else:
             setup_logging(args.stage)

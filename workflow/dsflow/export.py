@@ -19,7 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from dsflow.errors import UsageError
+from dsflow.model.balance import find_routers
+from dsflow.model.build import load_checkpoint_config, save_hf
+from dsflow.model.presets import model_config
 from dsflow.paths import TOKENIZER, export_dir
+from dsflow.progress import log
 from dsflow.train import checkpoint as ckpt
 
 
@@ -47,13 +51,9 @@ def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> P
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dsflow.model.balance import find_routers
-    from dsflow.model.build import load_checkpoint_config, save_hf
-    from dsflow.model.presets import model_config
-
     try:
-        run = json.loads((root / "run.json").read_text())
-        params, vocab = run["params"], run["vocab_size"]
+        spec = json.loads((root / "run.json").read_text())
+        params, vocab = spec["params"], spec["vocab_size"]
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(
             f"{root}/run.json: unreadable ({e}); it is written by the train stage"
@@ -80,8 +80,6 @@ def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> P
 
 
 def run(params: dict, args: Any = None) -> None:
-    from dsflow.progress import log
-
     root = ckpt.CHECKPOINTS
     tag = getattr(args, "tag", None) or ckpt.resume_tag(root)
     if not tag:
