@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -86,8 +87,6 @@ def test_overlay_reaches_the_stage_through_snakemake(tmp_path):
     update_params(repo, SMALL_PARAMS)
     (repo / "overlay.yaml").write_text("download:\n  max_docs: 123\n")
     run(["snakemake", "--cores", "1", "download", "--configfile", "overlay.yaml"], cwd=repo)
-    import json
-
     manifest = json.loads((repo / "data/raw/manifest.json").read_text())
     assert manifest["splits"]["train"]["docs"] + manifest["splits"]["val"]["docs"] == 123
     shutil.rmtree(repo / "data/raw")

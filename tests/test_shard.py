@@ -7,6 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import dsflow, update_params
+from dsflow.data.shard import token_dtype
 from dsflow.data.shards import ShardReader, load_index
 from dsflow.errors import UsageError
 
@@ -46,8 +47,6 @@ def test_tokenize_and_shard_identical_with_one_or_two_processes(prepared, tmp_pa
 
 
 def test_uint32_for_large_vocabularies():
-    from dsflow.data.shard import token_dtype
-
     assert token_dtype(65535).name == "uint16"
     assert token_dtype(65536).name == "uint32"
 

@@ -1,4 +1,5 @@
 import json
+import shutil
 
 from transformers import AutoTokenizer
 
@@ -16,8 +17,6 @@ def test_tokenizer_loads_with_autotokenizer_and_round_trips(prepared):
 
 
 def test_tokenizer_is_deterministic(prepared, tmp_path):
-    import shutil
-
     copy = tmp_path / "again"
     shutil.copytree(prepared, copy)
     dsflow("tokenizer", cwd=copy)
@@ -28,8 +27,6 @@ def test_tokenizer_is_deterministic(prepared, tmp_path):
 
 
 def test_vocab_too_small_for_specials(prepared, tmp_path):
-    import shutil
-
     copy = tmp_path / "small"
     shutil.copytree(prepared, copy)
     update_params(copy, {"tokenizer": {"vocab_size": 200}})
@@ -42,8 +39,6 @@ def test_vocab_too_small_for_specials(prepared, tmp_path):
 
 
 def test_pretrained_tokenizer_is_copied(prepared, tmp_path):
-    import shutil
-
     copy = tmp_path / "pre"
     shutil.copytree(prepared, copy)
     shutil.copytree(prepared / "data/tokenizer", tmp_path / "mytok")

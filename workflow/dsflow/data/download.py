@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dsflow.atomic import atomic_dir, sha256_file, write_json
+from dsflow.data import grammar
 from dsflow.errors import UsageError
 from dsflow.paths import RAW
 from dsflow.progress import bar, log
@@ -32,8 +33,6 @@ def val_split(text: str, val_fraction: float) -> bool:
 
 
 def builtin_documents(cfg: dict, seed: int) -> Iterator[dict]:
-    from dsflow.data import grammar
-
     n = cfg["max_docs"]
     if n is None:
         raise UsageError("download.max_docs: the builtin source needs a document count, not null")
@@ -233,8 +232,6 @@ def run(params: dict) -> None:
                 )
         manifest = {"source": source, "val_fraction": cfg["val_fraction"], "splits": {}}
         if source == "builtin":
-            from dsflow.data import grammar
-
             manifest.update(grammar_version=grammar.GRAMMAR_VERSION, seed=params["seed"])
         elif source == "hf":
             manifest["hf"] = cfg["hf"]

@@ -12,6 +12,8 @@ exactly where it stopped.
 from __future__ import annotations
 
 import json
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -152,9 +154,6 @@ class BatchLoader:
         depth: int = 2,
         pin: bool = False,
     ):
-        import queue
-        import threading
-
         self.reader, self.rank, self.world = reader, rank, world
         self.micro, self.accum, self.device, self.pin = micro, accum, device, pin
         self.next = (start, 0)
@@ -168,7 +167,7 @@ class BatchLoader:
             self._thread.start()
 
     def _read(self, step: int, micro_step: int):
-        import torch
+        import torch  # only batches need it: the train stage reads indexes without loading torch
 
         windows = self.reader.micro_batch(
             step, micro_step, self.rank, self.world, self.micro, self.accum
@@ -177,8 +176,6 @@ class BatchLoader:
         return batch.pin_memory() if self.pin else batch
 
     def _fill(self, step: int) -> None:
-        import queue
-
         try:
             while not self._stop.is_set():
                 for a in range(self.accum):

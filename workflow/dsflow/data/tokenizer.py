@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
@@ -35,7 +36,6 @@ def check_vocab_size(vocab_size: int) -> None:
 
 
 def train_bpe(texts_batches, n_docs: int, vocab_size: int, min_frequency: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     check_vocab_size(vocab_size)

@@ -3,6 +3,8 @@
 Each row is one document: its ids followed by EOS, and its UTF-8 byte count (bits-per-byte needs
 the bytes behind every token). Workers are single-threaded processes (`tokenize.num_proc`), so the
 knob means what it says and results do not depend on thread scheduling.
+
+The file is `tokenizing.py`, not `tokenize.py`, so it never shadows the standard library's module.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pyarrow.compute as pc
+from tokenizers import Tokenizer
 
 from dsflow.atomic import atomic_dir, write_json
 from dsflow.errors import UsageError
@@ -27,8 +30,6 @@ def _encoder(tokenizer_dir: str):
     """The raw `tokenizers.Tokenizer`, loaded once per worker process."""
     global _tokenizer
     if _tokenizer is None:
-        from tokenizers import Tokenizer
-
         _tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
     return _tokenizer
 
