@@ -84,12 +84,16 @@ def test_every_stage_declares_exactly_the_code_it_imports():
 
 
 def test_the_closure_follows_lazy_imports_and_launched_modules(tmp_path):
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def f():\n    from dsflow.model import loss\n    return loss\n")
+    assert imported_modules(lazy) == {"dsflow.model", "dsflow.model.loss"}
     train = closure(STAGES["train"])
     # The train stage starts its ranks as `-m dsflow.train.loop`, which imports the model code.
     assert f"{CODE}/train/loop.py" in train
     assert f"{CODE}/model/balance.py" in train
-    # evaluate imports its model code inside functions (torch is heavy to import).
     assert f"{CODE}/model/loss.py" in closure(STAGES["evaluate"])
+    # export imports the balancer inside a function (it loads torch).
+    assert f"{CODE}/model/balance.py" in closure(STAGES["export"])
     assert f"{CODE}/report.py" not in train
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from dsflow.errors import UsageError
-from dsflow.model.balance import find_routers
 from dsflow.model.build import load_checkpoint_config, save_hf
 from dsflow.model.presets import model_config
 from dsflow.paths import TOKENIZER, export_dir
@@ -48,8 +47,11 @@ def consolidated_state_dict(root: Path, tag: str) -> dict[str, Any]:
 
 
 def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> Path:
+    # torch-heavy imports here: the command line imports this module for its arguments.
     import torch
     from transformers import AutoModelForCausalLM
+
+    from dsflow.model.balance import find_routers
 
     try:
         spec = json.loads((root / "run.json").read_text())

@@ -40,8 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from dsflow.atomic import atomic_file, fsync_dir
 from dsflow.errors import UsageError
@@ -414,9 +412,13 @@ class RunLock:
 
 
 # --------------------------------------------------------------------------- the ranks' side
+# torch is imported where it is used: the train stage and the command line import this module
+# to pick and check tags, and need not load torch for that.
 
 
 def rng_state() -> dict:
+    import torch
+
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -426,6 +428,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import torch
+
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -471,6 +475,8 @@ def save(run: Any, spec: Any, step: int, health: dict, faults: Any, last_good: s
     Atomic: every rank writes into a temporary tag; once all are done rank 0 records the
     manifest, renames it to its final name and moves `latest` (`commit`). A write that fails
     for lack of space (or any OSError) ends the run with one line saying what is kept."""
+    import torch.distributed as dist
+
     tag = tag_for(step)
     tmp = temp_tag(tag)
     # DeepSpeed stores client state from rank 0 only: gather every rank's RNG into it.
