@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 from dsflow import machine
 from dsflow.errors import UsageError
-from dsflow.plan import layouts, request, tables
+from dsflow.plan import layouts, memory, request, tables
 
 OK, WARN, FAIL = "ok", "warn", "fail"
-GB = 10**9
 
 
 @dataclass(frozen=True)
@@ -24,10 +23,6 @@ class Check:
     status: str  # ok | warn | fail
     detail: str
     fix: str = ""
-
-
-def _gb(n: float) -> str:
-    return f"{n / GB:,.1f} GB"
 
 
 def plan_for(facts: dict, params: dict, world: int) -> dict:
@@ -199,9 +194,9 @@ def _disk(facts: dict, summ: dict) -> Check:
     free = facts.get("disk_free_bytes")
     need = summ["disk_bytes"]
     detail = (
-        f"{_gb(need)} planned: {summ['keep_checkpoints']} + 1 checkpoint(s) of "
-        f"{_gb(summ['checkpoint_bytes'])} (the new one is written before old ones are pruned) "
-        f"+ export {_gb(summ['export_bytes'])}"
+        f"{memory.fmt_gb(need)} planned: {summ['keep_checkpoints']} + 1 checkpoint(s) of "
+        f"{memory.fmt_gb(summ['checkpoint_bytes'])} (the new one is written before old ones are "
+        f"pruned) + export {memory.fmt_gb(summ['export_bytes'])}"
     )
     if free is None:
         return Check("disk", WARN, f"free space unknown; {detail}")
@@ -209,10 +204,10 @@ def _disk(facts: dict, summ: dict) -> Check:
         return Check(
             "disk",
             FAIL,
-            f"{_gb(free)} free at {facts.get('project_dir')}, {detail}",
-            f"free {_gb(need - free)} or lower train.keep_checkpoints",
+            f"{memory.fmt_gb(free)} free at {facts.get('project_dir')}, {detail}",
+            f"free {memory.fmt_gb(need - free)} or lower train.keep_checkpoints",
         )
-    return Check("disk", OK, f"{_gb(free)} free, {detail}")
+    return Check("disk", OK, f"{memory.fmt_gb(free)} free, {detail}")
 
 
 def _host_ram(facts: dict, est: dict, device: str, world: int) -> Check:
@@ -228,20 +223,20 @@ def _host_ram(facts: dict, est: dict, device: str, world: int) -> Check:
         off = est["host"]["optimizer"] + est["host"]["gradients"] + est["host"]["parameters"]
         init = est["host"]["init_per_rank"]
         what = (
-            f"{world} rank(s): offloaded states {_gb(off)} per rank"
+            f"{world} rank(s): offloaded states {memory.fmt_gb(off)} per rank"
             if off
-            else f"{world} rank(s) each building the fp32 model ({_gb(init)})"
+            else f"{world} rank(s) each building the fp32 model ({memory.fmt_gb(init)})"
         )
     if host is None:
-        return Check("host ram", WARN, f"host RAM unknown; {_gb(need)} needed ({what})")
+        return Check("host ram", WARN, f"host RAM unknown; {memory.fmt_gb(need)} needed ({what})")
     if host < need:
         return Check(
             "host ram",
             FAIL,
-            f"{_gb(host)} of host RAM, {_gb(need)} needed ({what})",
+            f"{memory.fmt_gb(host)} of host RAM, {memory.fmt_gb(need)} needed ({what})",
             "use a machine with more RAM, fewer ranks, or less offload",
         )
-    return Check("host ram", OK, f"{_gb(host)}, {_gb(need)} needed ({what})")
+    return Check("host ram", OK, f"{memory.fmt_gb(host)}, {memory.fmt_gb(need)} needed ({what})")
 
 
 def _resource_checks(facts: dict, plan: dict, device: str, world: int) -> list[Check]:
