@@ -2,15 +2,15 @@ import pytest
 import yaml
 
 from conftest import ROOT, dsflow
-from dsflow import params as P
+from dsflow import params as params_mod
 from dsflow.errors import UsageError
 
 
 def test_params_yaml_is_valid_and_sets_every_knob():
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    filled = P.validate(raw)
+    filled = params_mod.validate(raw)
     # params.yaml must name every key the schema knows, so DVC can track each one.
-    assert P.flatten(raw).keys() == P.flatten(filled).keys()
+    assert params_mod.flatten(raw).keys() == params_mod.flatten(filled).keys()
 
 
 @pytest.mark.parametrize(
@@ -26,9 +26,9 @@ def test_params_yaml_is_valid_and_sets_every_knob():
     ],
 )
 def test_bad_values_name_the_key_and_the_allowed_values(overlay, key, allowed):
-    raw = P.deep_merge(yaml.safe_load((ROOT / "params.yaml").read_text()), overlay)
+    raw = params_mod.deep_merge(yaml.safe_load((ROOT / "params.yaml").read_text()), overlay)
     with pytest.raises(UsageError) as exc:
-        P.validate(raw)
+        params_mod.validate(raw)
     msg = str(exc.value)
     assert "\n" not in msg
     assert key in msg and allowed in msg
@@ -36,7 +36,7 @@ def test_bad_values_name_the_key_and_the_allowed_values(overlay, key, allowed):
 
 def test_defaults_are_filled_from_the_schema():
     sections = ("download", "tokenizer", "tokenize", "shard", "model", "train", "evaluate")
-    filled = P.validate({"seed": 1, **{s: {} for s in sections}})
+    filled = params_mod.validate({"seed": 1, **{s: {} for s in sections}})
     assert filled["tokenizer"]["vocab_size"] == 4096
     assert filled["download"]["hf"]["split"] == "train"
 
@@ -64,13 +64,15 @@ def test_profiles_are_valid_overlays():
     profiles = sorted((ROOT / "profiles").glob("*.yaml"))
     assert {"rtx4090x3.yaml", "tinystories.yaml"} <= {p.name for p in profiles}
     for profile in profiles:
-        P.validate(P.deep_merge(base, P.read_yaml(profile)), source=profile.name)
+        params_mod.validate(
+            params_mod.deep_merge(base, params_mod.read_yaml(profile)), source=profile.name
+        )
 
 
 def test_profile_overlay_via_env_and_flag(project):
     out = dsflow("--profile", "profiles/tinystories.yaml", "validate", cwd=project).stdout
     assert yaml.safe_load(out)["download"]["source"] == "hf"
-    env = {P.PROFILES_ENV: "profiles/tinystories.yaml"}
+    env = {params_mod.PROFILES_ENV: "profiles/tinystories.yaml"}
     out = dsflow("validate", cwd=project, env=env).stdout
     assert yaml.safe_load(out)["download"]["source"] == "hf"
 

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from conftest import ROOT, dsflow, update_params
 from dsflow import dsconfig
-from dsflow import params as P
+from dsflow import params as params_mod
 from dsflow.errors import UsageError
 from dsflow.train import checkpoint as ckpt
 
@@ -446,14 +446,14 @@ def test_a_rank_destroys_its_process_group_before_exiting(tmp_path):
     group first and keeps the exit code; a second call is harmless."""
     import torch.distributed as dist
 
-    from dsflow.train import loop as worker
+    from dsflow.train import loop
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     dist.barrier()
-    assert worker.shutdown(3) == 3
+    assert loop.shutdown(3) == 3
     assert not dist.is_initialized()
-    assert worker.shutdown(0) == 0
+    assert loop.shutdown(0) == 0
 
 
 # --------------------------------------------------------------------------- checkpoint validation
@@ -506,7 +506,7 @@ def test_resume_validates_latest_and_falls_back_to_the_newest_complete_tag(tmp_p
 
 
 def test_the_stage_removes_stale_temp_tags_and_repairs_latest(tmp_path, monkeypatch):
-    from dsflow.train import stage as train_mod
+    from dsflow.train import stage as train
 
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "checkpoints"
@@ -519,13 +519,13 @@ def test_the_stage_removes_stale_temp_tags_and_repairs_latest(tmp_path, monkeypa
     ckpt.set_latest(root, "step00000006")
     plan = {"world": 3, "fingerprint": "f1", "ds_config": {"zero_optimization": {"stage": 2}}}
     (root / "run.json").write_text(json.dumps({"fingerprint": "f1"}))
-    train_mod.prepare_run_dir(plan)
+    train.prepare_run_dir(plan)
     assert plan["resume"] == "step00000003"
     assert (root / "latest").read_text() == "step00000003"
     assert not (root / ".tmp-step00000009").exists()
     # A different run's checkpoints are never resumed.
     plan["fingerprint"] = "f2"
-    train_mod.prepare_run_dir(plan)
+    train.prepare_run_dir(plan)
     assert plan["resume"] is None and ckpt.tags(root) == []
 
 
@@ -709,7 +709,7 @@ def _key_paths(node, prefix=()):
 
 
 PATHS = list(_key_paths(BASE))
-DICT_PATHS = [()] + [p for p in PATHS if isinstance(P.get(BASE, ".".join(p)), dict)]
+DICT_PATHS = [()] + [p for p in PATHS if isinstance(params_mod.get(BASE, ".".join(p)), dict)]
 
 scalars = (
     st.none()
@@ -782,7 +782,7 @@ def test_any_params_file_validates_or_fails_in_one_line_naming_the_key(scratch, 
     path = scratch / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     try:
-        P.load(path, overlays=[])
+        params_mod.load(path, overlays=[])
     except UsageError as e:
         msg = str(e)
         assert "\n" not in msg
@@ -812,14 +812,17 @@ def test_malformed_yaml_fails_in_one_line(scratch, data):
     path = scratch / "garbage.yaml"
     path.write_bytes(data)
     try:
-        P.load(path, overlays=[])
+        params_mod.load(path, overlays=[])
     except UsageError as e:
         assert "\n" not in str(e) and str(e).startswith(str(path))
 
 
 DS_CONFIG = json.dumps(
     dsconfig.build(
-        {**P.validate(BASE)["train"], "zero_stage": 2},  # as train.plan_memory gives a CPU run
+        {
+            **params_mod.validate(BASE)["train"],
+            "zero_stage": 2,
+        },  # as train.plan_memory gives a CPU run
         dsconfig.resolve_batch(4, 2, None, 3),
         100,
         "cpu",

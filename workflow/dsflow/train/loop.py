@@ -20,7 +20,8 @@ from dsflow.data.shards import BatchLoader, ShardReader
 from dsflow.model.build import save_hf
 from dsflow.model.presets import param_counts
 from dsflow.paths import FINAL, SHARDS, TOKENIZER
-from dsflow.train import checkpoint, engine
+from dsflow.train import checkpoint as ckpt
+from dsflow.train import engine
 from dsflow.train.diagnostics import Hooks
 from dsflow.train.health import EXIT_FATAL, EXIT_STOPPED, StepHealth, Stop, report_fatal
 from dsflow.train.metrics import Meter, write_metrics
@@ -37,7 +38,7 @@ def main() -> int:
     Stop.install()
     hooks = Hooks(rank, device.type)
     run = engine.build(spec, rank, device)
-    start, health_state = checkpoint.resume(run, spec)
+    start, health_state = ckpt.resume(run, spec)
     health = StepHealth(spec.max_bad_steps, health_state)
     # The train stage verified every shard's sha256 just before launch.
     verify = not spec.data_verified
@@ -65,16 +66,14 @@ def main() -> int:
         periodic = spec.checkpoint_due(step) and health.streak == 0
         if periodic or step == spec.steps or stop:
             with meter.clock.aside():
-                last_good = checkpoint.save(
-                    run, spec, step, health.state(), hooks.faults, last_good
-                )
+                last_good = ckpt.save(run, spec, step, health.state(), hooks.faults, last_good)
             last_saved = step
         if stop and step < spec.steps:
             line = f"stopped on request after step {step}; checkpoint {last_good} saved"
             return leave(meter, loader, hooks, line, fatal=False)
     loader.close()
     if last_saved != spec.steps and start < spec.steps:
-        checkpoint.save(run, spec, spec.steps, health.state(), hooks.faults, last_good)
+        ckpt.save(run, spec, spec.steps, health.state(), hooks.faults, last_good)
     return finish_run(run, spec, meter, time.perf_counter() - wall0)
 
 
