@@ -424,8 +424,8 @@ time.sleep(60)
 
 
 def test_a_killed_stage_takes_its_launcher_down(tmp_path):
-    """The launcher runs in its own session but gets SIGTERM when the stage dies, even by
-    SIGKILL (it then stops the ranks, which checkpoint: see the SIGTERM test)."""
+    """The launcher runs in a process group of its own (setsid) but gets SIGTERM when the stage
+    dies, even by SIGKILL (it then stops the ranks, which checkpoint: see the SIGTERM test)."""
     got = tmp_path / "got"
     stage = subprocess.Popen(
         [sys.executable, "-c", STAGE, CHILD, str(got)], stdout=subprocess.PIPE, text=True

@@ -21,10 +21,10 @@ from dsflow.paths import PROFILE
 
 class StepProfiler:
     """DSFLOW_PROFILE=FIRST:LAST[:PATH] profiles optimizer steps FIRST..LAST on rank 0 with
-    torch.profiler and writes a table of the ops and kernels by device time, device busy time
-    vs wall time per step, and where the device waited (idle time per phase of the step: data,
-    forward, backward, optimizer step, sync, bookkeeping; the stop check and checkpoint saves
-    between steps are in none) to PATH (default logs/profile.txt), and the chrome trace beside
+    torch.profiler and writes a table of the ops and kernels by their time on the device,
+    device busy time vs wall time per step, and where the device waited (idle time per phase of
+    the step: data, forward, backward, optimizer step, sync, bookkeeping; the stop check and
+    checkpoint saves between steps are in none) to PATH (default logs/profile.txt), and the chrome trace beside
     it (PATH + .trace.json.gz). For docs/performance.md."""
 
     PHASES = ("data", "forward", "backward", "optimizer", "sync", "bookkeeping")
