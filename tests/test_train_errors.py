@@ -69,9 +69,9 @@ def test_too_many_gpus_is_an_error_not_a_fallback(monkeypatch):
 def test_ds_config_generation_and_user_merge(tmp_path):
     import json
 
-    # zero_stage: auto is the train stage's to resolve (train.resolve_zero) before this.
+    # zero_stage: auto is the train stage's to resolve (train.stage.plan_memory) before this.
     t = {**load()["train"], "zero_stage": 2}
-    with pytest.raises(ValueError, match="resolve_zero"):
+    with pytest.raises(ValueError, match=r"dsflow\.train\.stage\.plan_memory first"):
         dsconfig.build({**t, "zero_stage": "auto"}, dsconfig.resolve_batch(4, 2, None, 3), 9, "cpu")
     batch = dsconfig.resolve_batch(4, 2, None, 3)
     cfg = dsconfig.build({**t, "precision": "fp16"}, batch, 100, "cuda")
@@ -93,6 +93,40 @@ def test_ds_config_generation_and_user_merge(tmp_path):
     user.write_text("{not json")
     with pytest.raises(UsageError, match="invalid JSON at line 1"):
         dsconfig.merge_user(cfg, user)
+
+
+def test_a_user_ds_config_that_contradicts_itself_is_named_first(tmp_path):
+    """64 != 16 x 4 x 3 is the file's own mistake: said before how params.yaml (24) relates."""
+    import json
+
+    t = {**load()["train"], "zero_stage": 2}
+    cfg = dsconfig.build(t, dsconfig.resolve_batch(4, 2, None, 3), 100, "cpu")
+    user = tmp_path / "ds.json"
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    user.write_text(json.dumps(dict(zip(keys, (64, 16, 4), strict=True))))
+    with pytest.raises(UsageError) as err:
+        dsconfig.merge_user(cfg, user)
+    line = str(err.value)
+    assert line.startswith(
+        f"{user}: train_batch_size 64 != train_micro_batch_size_per_gpu 16 x "
+        "gradient_accumulation_steps 4 x 3 rank(s) = 192, so the file contradicts itself; "
+    )
+    assert line.endswith(
+        "params.yaml's train section gives 24 (micro_batch 4 x grad_accum 2 x 3 rank(s)): set "
+        "the batch there and remove these keys from the file"
+    )
+    assert "\n" not in line
+    # Two keys that leave no whole third on 3 ranks contradict each other too.
+    user.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16}))
+    with pytest.raises(UsageError, match=r"64 is not a multiple of .* = 48, so no gradient_acc"):
+        dsconfig.merge_user(cfg, user)
+    # A file that agrees with itself (16 x 1 x 3 = 48) but not with params.yaml: the old line.
+    user.write_text(json.dumps(dict(zip(keys, (48, 16, 1), strict=True))))
+    with pytest.raises(UsageError, match="train_batch_size 48 differs from params.yaml's 24"):
+        dsconfig.merge_user(cfg, user)
+    # The file's keys matching params.yaml merge as before.
+    user.write_text(json.dumps(dict(zip(keys, (24, 4, 2), strict=True))))
+    assert dsconfig.merge_user(cfg, user)["train_batch_size"] == 24
 
 
 def test_stage_refuses_bad_requests_before_launch(prepared, tmp_path):

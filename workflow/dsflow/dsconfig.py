@@ -209,7 +209,8 @@ def zero_optimization(train: dict, device_type: str, world: int) -> dict:
     stage, zero, off = train["zero_stage"], train["zero"], train["offload"]
     if stage == "auto":
         raise ValueError(
-            "train.zero_stage: auto reached the DeepSpeed config; call train.resolve_zero first"
+            "train.zero_stage: auto reached the DeepSpeed config; call "
+            "dsflow.train.stage.plan_memory first"
         )
     check_offload(train, device_type)
     overlap, contiguous = gradient_hooks(zero, stage, world, device_type)
@@ -287,6 +288,7 @@ def merge_user(cfg: dict, path: str | Path) -> dict:
     for key in SECTIONS:
         if key in user and not isinstance(user[key], dict):
             raise UsageError(f"{path}: {key} must be a JSON object, got {_show(user[key])}")
+    check_own_batch(user, cfg, path)
     for key in DERIVED:
         if key in user and user[key] != cfg[key] and user[key] != "auto":
             raise UsageError(
@@ -303,6 +305,39 @@ def merge_user(cfg: dict, path: str | Path) -> dict:
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise UsageError(f"{path}: zero_optimization.stage {_show(stage)} is not one of 0, 1, 2, 3")
     return merged
+
+
+def check_own_batch(user: dict, cfg: dict, path: Path) -> None:
+    """Refuse a user's file whose batch keys contradict each other on this many ranks (DeepSpeed
+    needs train_batch_size = micro x accumulation x ranks) for that first, then say how
+    params.yaml relates: matching params.yaml alone would leave the file wrong."""
+    total, micro, accum = (cfg[k] for k in DERIVED)
+    world = total // (micro * accum)
+    fix = (
+        f"params.yaml's train section gives {total} (micro_batch {micro} x grad_accum {accum} x "
+        f"{world} rank(s)): set "
+        "the batch there and remove these keys from the file"
+    )
+    given = {k: user[k] for k in DERIVED if type(user.get(k)) is int}
+    if "train_batch_size" not in given or len(given) < 2:
+        return
+    t = given.pop("train_batch_size")
+    if len(given) == 2:
+        m, a = given.values()
+        if m * a * world != t:
+            raise UsageError(
+                f"{path}: train_batch_size {t} != train_micro_batch_size_per_gpu {m} x "
+                f"gradient_accumulation_steps {a} x {world} rank(s) = {m * a * world}, so the "
+                f"file contradicts itself; {fix}"
+            )
+        return
+    ((key, value),) = given.items()
+    if t % (value * world):
+        missing = next(k for k in DERIVED[1:] if k != key)
+        raise UsageError(
+            f"{path}: train_batch_size {t} is not a multiple of {key} {value} x {world} "
+            f"rank(s) = {value * world}, so no {missing} fits; {fix}"
+        )
 
 
 # Sections of a DeepSpeed config that are objects (DeepSpeed fails obscurely on anything else).
