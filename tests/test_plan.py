@@ -448,6 +448,9 @@ def test_resolve_vocab_sources(monkeypatch, tmp_path):
 
 def test_run_writes_a_deterministic_report(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)
+    # A machine that holds V2 with offload: host RAM and disk are this machine's by default.
+    monkeypatch.setattr(machine, "host_memory_bytes", lambda: 8000 * GB)
+    monkeypatch.setattr(machine, "disk_free_bytes", lambda path=".": 100_000 * GB)
     params = _params("profiles/rtx4090x3.yaml")
     args = _args("--model", "deepseek-v2", "--gpus", "3", "--gpu-mem", "24")
     stage.run(params, args)
@@ -472,7 +475,9 @@ def test_run_writes_a_deterministic_report(monkeypatch, tmp_path, capsys):
 def test_run_without_gpu_memory_still_reports(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("DSFLOW_PROFILES", raising=False)
-    stage.run(_params(), _args())
+    params = _params()
+    params["train"]["device"] = "cuda"  # GPUs of unknown memory (CPU ranks: the next test)
+    stage.run(params, _args())
     rep = json.loads((tmp_path / "reports/plan.json").read_text())
     if not torch.cuda.is_available():
         assert rep["verdict"]["fits"] is None and "--gpu-mem" in rep["verdict"]["reason"]
@@ -533,5 +538,153 @@ def test_the_train_stage_takes_this_plan_when_it_planned_the_same_launch(monkeyp
     assert plan["request"]["gpu_mem_bytes"] is None and plan["estimate"] == planned["estimate"]
     assert said == [
         "reports/plan.json was planned for 3 GPU(s) of 24.0 GB (--gpu-mem), this launch has "
-        "3 rank(s), GPU memory unknown: planning again"
+        "3 CPU rank(s): planning again"
     ]
+
+
+# --------------------------------------------------------------------------- host RAM, disk, exit
+
+
+def _cli(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
+    """`python -m dsflow plan ARGV` as the command line runs it: (exit status, stdout, the
+    error line)."""
+    monkeypatch.delenv("DSFLOW_PROFILES", raising=False)
+    try:
+        stage.run(_params(), _args(*argv))
+        code, err = 0, ""
+    except UsageError as e:
+        code, err = getattr(e, "exit_code", 2), f"dsflow plan: error: {e}"
+    return code, capsys.readouterr().out, err
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v2", "deepseek-v3"])
+def test_published_models_on_three_24gb_cards_and_256gb_are_refused(
+    monkeypatch, tmp_path, capsys, preset
+):
+    """A layout that fits the GPUs but not the host is no; nothing fitting exits non-zero and
+    names the smallest machine that would hold the model, with its host RAM."""
+    monkeypatch.chdir(tmp_path)
+    argv = ("--model", preset, "--gpus", "3", "--gpu-mem", "24", "--host-mem", "256")
+    code, out, err = _cli(monkeypatch, capsys, *argv, "--disk", "1000000")
+    assert code == 1
+    rep = json.loads((tmp_path / "reports/plan.json").read_text())
+    own = [r for r in rep["strategies"] if r["preset"] is None]
+    assert own and not any(r["fits"] for r in own)
+    # ZeRO-3 with full offload fits 24 GB GPUs, but not 256 GB of host RAM.
+    gpu_only = [r for r in own if r["gpu_bytes"] <= CARD]
+    assert all("GB of host RAM, 256.0 GB available" in r["reason"] for r in gpu_only)
+    machine_ = rep["smallest_machine"]
+    assert machine_["host_bytes"] > 256 * GB and machine_["gpus"] == 3
+    if preset == "deepseek-v2":
+        # The asked GPUs hold it with full offload: host RAM is all they lack.
+        assert gpu_only and machine_["gpu_mem_bytes"] == CARD and machine_["gpu"] == "as asked"
+    else:
+        # V3's gathered expert bank alone outgrows 24 GB: bigger GPUs, as many as asked.
+        assert not gpu_only and machine_["gpu_mem_bytes"] > CARD
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"dsflow plan: error: nothing fits {preset} on 3 x 24.0 GB GPU(s)")
+    assert f"{machine_['gpus']} x " in line and "of host RAM" in line
+    assert "smallest machine that would:" in out
+
+
+def test_host_ram_and_disk_default_to_this_machine_and_decide_the_exit(
+    monkeypatch, tmp_path, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(machine, "host_memory_bytes", lambda: 64 * GB)
+    monkeypatch.setattr(machine, "disk_free_bytes", lambda path=".": int(500.7 * GB))
+    code, out, _ = _cli(monkeypatch, capsys, "--model", "medium", "--gpus", "3", "--gpu-mem", "24")
+    assert code == 0
+    assert "host RAM" in out and "64.0 GB (this machine's; --host-mem GB to plan another)" in out
+    assert "free 500.0 GB (this machine's; --disk GB to plan another)" in out
+    rep = json.loads((tmp_path / "reports/plan.json").read_text())
+    assert rep["request"]["disk_free_bytes"] == 500 * GB  # whole GB: a stable plan
+    assert rep["verdict"]["fits"] is True and rep["smallest_machine"] is None
+    # Not enough disk for the checkpoints: no layout fits, exit 1, the disk named.
+    code, out, err = _cli(
+        monkeypatch, capsys, "--model", "medium", "--gpus", "3", "--gpu-mem", "24", "--disk", "1"
+    )
+    assert code == 1 and "GB of disk, 1.0 GB free" in out
+    rep = json.loads((tmp_path / "reports/plan.json").read_text())
+    assert rep["smallest_machine"]["disk_bytes"] > GB
+
+
+def test_nvme_offload_enters_the_ladder_with_the_disk_it_needs(monkeypatch, tmp_path):
+    """With an NVMe directory the offloaded states leave host RAM for swap files on disk:
+    V2-Lite on 3 x 24 GB with 256 GB of host RAM fits only that way."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model", "deepseek-v2-lite", "--gpus", "3", "--gpu-mem", "24", "--host-mem", "256"]
+    argv += ["--disk", "100000"]
+    plan = stage.build_plan(_params(), _args(*argv))
+    assert not any(r["offload_device"] == "nvme" for r in plan["strategies"])
+    assert layouts.model_fits(plan) is False
+    plan = stage.build_plan(_params(), _args(*argv, "--nvme", str(tmp_path / "nvme")))
+    rec = plan["recommendation"]
+    assert rec["preset"] is None and rec["offload_device"] == "nvme"
+    assert "to NVMe" in rec["strategy"] and rec["host_bytes"] <= 256 * GB
+    cpu = next(r for r in plan["strategies"] if r["strategy"] == rec["strategy"].replace(
+        " to NVMe", ""))  # fmt: skip
+    # The same layout offloaded to host RAM: the states move to disk, byte for byte.
+    moved = cpu["host_bytes"] - rec["host_bytes"]
+    assert rec["disk_bytes"] - cpu["disk_bytes"] > 0.9 * moved > 0
+    assert layouts.model_fits(plan) is True
+    # Too little disk for the swap files: not a fit.
+    argv[-1] = str(memory.round_gb(cpu["disk_bytes"]) + 1)
+    plan = stage.build_plan(_params(), _args(*argv, "--nvme", str(tmp_path / "nvme")))
+    assert layouts.model_fits(plan) is False
+
+
+def test_cpu_runs_are_planned_as_cpu_ranks(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DSFLOW_PROFILES", raising=False)
+    monkeypatch.setattr(machine, "gpus", lambda: [])
+    monkeypatch.setattr(machine, "host_memory_bytes", lambda: 32 * GB)
+    plan = stage.build_plan(_params(), _args())
+    text = tables.format_report(plan)
+    assert plan["request"]["device"] == "cpu" and plan["request"]["gpu_mem_bytes"] is None
+    assert "run: 3 CPU rank(s), ZeRO-2" in text and "GPU(s)" not in text
+    assert "GPU memory unknown" not in text and "per-GPU" not in text
+    assert plan["verdict"]["fits"] is True
+    assert plan["verdict"]["reason"].startswith("fits: 3 CPU rank(s) need")
+    need = layouts.cpu_host_need(plan["estimate"])
+    monkeypatch.setattr(machine, "host_memory_bytes", lambda: need - 1)
+    plan = stage.build_plan(_params(), _args())
+    assert plan["verdict"]["fits"] is False and layouts.model_fits(plan) is False
+    assert plan["smallest_machine"] == {
+        "cpu_ranks": 3,
+        "host_bytes": need,
+        "disk_bytes": memory.disk_need(plan["estimate"], plan["summary"]["checkpoints"]),
+    }
+
+
+@pytest.mark.parametrize(
+    "preset, total, activated",
+    [
+        ("deepseek-v3", 671e9, 37e9),
+        ("deepseek-v2", 236e9, 21e9),
+        ("deepseek-v2-lite", 15.7e9, 2.4e9),
+    ],
+)
+def test_ad_hoc_plans_of_published_models_use_their_vocabulary(
+    monkeypatch, tmp_path, preset, total, activated
+):
+    """Shards of the local tokenizer do not shrink a published model's embedding: its own
+    vocabulary, unless --vocab or tokenizer.pretrained says otherwise; totals within 2%."""
+    monkeypatch.chdir(tmp_path)
+    index = tmp_path / "data/shards/train/index.json"
+    index.parent.mkdir(parents=True)
+    index.write_text(json.dumps({"vocab_size": 3491}))
+    plan = stage.build_plan(_params(), _args("--model", preset, "--gpus", "3", "--gpu-mem", "24"))
+    req, summ = plan["request"], plan["summary"]
+    assert req["vocab_size"] == PRESETS[preset]["published_vocab_size"]
+    assert req["vocab_source"] == f"{preset}'s published vocabulary"
+    assert summ["params_total"] == pytest.approx(total, rel=0.02)
+    # 2.451B activated for V2-Lite, published as "2.4B": within 2% of 2.45.
+    assert summ["params_activated"] == pytest.approx(activated, rel=0.025)
+    assert (
+        request.resolve(_params(), _args("--model", preset, "--vocab", "5000")).vocab_size == 5000
+    )
+    params = _params()
+    params["tokenizer"]["pretrained"] = "deepseek-ai/DeepSeek-V2"  # its shards are its own
+    assert request.resolve(params, _args("--model", preset)).vocab_size == 3491
+    assert request.resolve(_params(), _args("--model", "medium")).vocab_size == 3491

@@ -115,6 +115,18 @@ def host_memory_bytes() -> int | None:
     return total
 
 
+def disk_free_bytes(path: str | os.PathLike = ".") -> int | None:
+    """Free space of the disk holding ``path`` (its nearest existing parent: an NVMe directory
+    may not exist yet); None when it cannot be read."""
+    where = Path(path).resolve()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        return shutil.disk_usage(where).free
+    except OSError:
+        return None
+
+
 def _meminfo() -> dict[str, int]:
     out: dict[str, int] = {}
     try:
@@ -142,10 +154,7 @@ def facts(project_dir: str | os.PathLike = ".") -> dict[str, Any]:
     space, cores and the NCCL variables are read now."""
     gpu = cuda()
     project = Path(project_dir).resolve()
-    try:
-        disk_free = shutil.disk_usage(project).free
-    except OSError:
-        disk_free = None
+    disk_free = disk_free_bytes(project)
     try:
         affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -81,106 +81,201 @@ def _blocker(est: dict, gpu_mem_bytes: int) -> str:
     return max(_ITEM_NAMES, key=lambda k: (gpu[k], k))
 
 
-def verdict(
-    estimate: dict, gpu_mem_bytes: int, host_mem_bytes: int | None = None
-) -> tuple[bool, str]:
-    """(fits, one-line reason with the numbers). ``host_mem_bytes`` (optional) also checks the
-    host RAM the offloaded states and the per-rank fp32 model build need."""
+def _gpu_verdict(estimate: dict, gpu_mem_bytes: int) -> tuple[bool, str]:
+    """(fits the GPU, one line with the numbers): what fills the GPU when it does not fit."""
     gpu = estimate["gpu"]
     need = gpu["total"]
     dtype = "fp32" if estimate["inputs"]["precision"] == "fp32" else "16-bit"
-    if need > gpu_mem_bytes:
-        item = _blocker(estimate, gpu_mem_bytes)
-        name = _ITEM_NAMES[item].format(dtype=dtype)
-        alone = " alone" if gpu[item] > gpu_mem_bytes else ""
-        others = sorted(
-            (k for k in _ITEM_NAMES if k != item and gpu[k] > 0), key=lambda k: (-gpu[k], k)
-        )[:3]
-        also = ", ".join(
-            f"{_ITEM_NAMES[k].format(dtype=dtype)} {memory.fmt_gb(gpu[k])}" for k in others
+    if need <= gpu_mem_bytes:
+        return True, (
+            f"fits: {memory.fmt_gb(need)} per GPU of {memory.fmt_gb(gpu_mem_bytes)} "
+            f"({memory.fmt_gb(gpu_mem_bytes - need)} headroom)"
         )
-        return False, (
-            f"needs {memory.fmt_gb(need)} per GPU but {memory.fmt_gb(gpu_mem_bytes)} available: "
-            f"the {name}{alone} {'is' if item == 'zero3_gathered' else 'are'} "
-            f"{memory.fmt_gb(gpu[item])} ({_explain(estimate, item)})"
-            + (f"; also {also}" if also else "")
-        )
+    item = _blocker(estimate, gpu_mem_bytes)
+    name = _ITEM_NAMES[item].format(dtype=dtype)
+    alone = " alone" if gpu[item] > gpu_mem_bytes else ""
+    others = sorted(
+        (k for k in _ITEM_NAMES if k != item and gpu[k] > 0), key=lambda k: (-gpu[k], k)
+    )[:3]
+    also = ", ".join(
+        f"{_ITEM_NAMES[k].format(dtype=dtype)} {memory.fmt_gb(gpu[k])}" for k in others
+    )
+    return False, (
+        f"needs {memory.fmt_gb(need)} per GPU but {memory.fmt_gb(gpu_mem_bytes)} available: "
+        f"the {name}{alone} {'is' if item == 'zero3_gathered' else 'are'} "
+        f"{memory.fmt_gb(gpu[item])} ({_explain(estimate, item)})"
+        + (f"; also {also}" if also else "")
+    )
+
+
+def _disk_verdict(estimate: dict, disk: tuple[int | None, int] | None) -> tuple[bool, str]:
+    """(fits the disk, what it needs): ``disk`` = (free bytes or None, checkpoints on disk)."""
+    if disk is None or disk[0] is None:
+        return True, ""
+    free, checkpoints = disk
+    need = memory.disk_need(estimate, checkpoints)
+    if need <= free:
+        return True, f"disk {memory.fmt_gb(need)} of {memory.fmt_gb(free)}"
+    inp, P = estimate["inputs"], estimate["params"]["total"]
+    ckpt = memory.checkpoint_bytes(P, inp["precision"], inp["zero_stage"])
+    swap = estimate["nvme"]["node_total"]
+    return False, (
+        f"needs {memory.fmt_gb(need)} of disk, {memory.fmt_gb(free)} free ({checkpoints} "
+        f"checkpoint(s) of {memory.fmt_gb(ckpt)}, the export "
+        f"{memory.fmt_gb(memory.bytes_per_element(inp['precision']) * P)}"
+        + (f", NVMe swap files {memory.fmt_gb(swap)}" if swap else "")
+        + ")"
+    )
+
+
+def verdict(
+    estimate: dict,
+    gpu_mem_bytes: int,
+    host_mem_bytes: int | None = None,
+    disk: tuple[int | None, int] | None = None,
+) -> tuple[bool, str]:
+    """(fits, one-line reason with the numbers). ``host_mem_bytes`` (optional) also checks the
+    host RAM the offloaded states and the per-rank fp32 model build need; ``disk`` = (free
+    bytes, checkpoints on disk) the checkpoints, the export and NVMe swap files."""
+    fits, reason = _gpu_verdict(estimate, gpu_mem_bytes)
+    if not fits:
+        return fits, reason
+    need = estimate["gpu"]["total"]
     host = estimate["host"]
+    gpus = f"fits the GPUs ({memory.fmt_gb(need)} of {memory.fmt_gb(gpu_mem_bytes)})"
     if host_mem_bytes is not None and host["node_total"] > host_mem_bytes:
         offloaded = host["optimizer"] + host["gradients"] + host["parameters"]
         return False, (
-            f"fits the GPUs ({memory.fmt_gb(need)} of {memory.fmt_gb(gpu_mem_bytes)}) but needs "
-            f"{memory.fmt_gb(host['node_total'])} of host RAM, "
+            f"{gpus} but needs {memory.fmt_gb(host['node_total'])} of host RAM, "
             f"{memory.fmt_gb(host_mem_bytes)} available (per rank: offloaded states "
             f"{memory.fmt_gb(offloaded)}, or the fp32 model every rank builds first "
             f"{memory.fmt_gb(host['init_per_rank'])})"
         )
-    return True, (
-        f"fits: {memory.fmt_gb(need)} per GPU of {memory.fmt_gb(gpu_mem_bytes)} "
-        f"({memory.fmt_gb(gpu_mem_bytes - need)} headroom)"
-    )
+    disk_fits, disk_line = _disk_verdict(estimate, disk)
+    if not disk_fits:
+        return False, f"{gpus} but {disk_line}"
+    if host_mem_bytes is not None:
+        reason += (
+            f"; host RAM {memory.fmt_gb(host['node_total'])} of {memory.fmt_gb(host_mem_bytes)}"
+        )
+    return True, reason + (f"; {disk_line}" if disk_line else "")
+
+
+def cpu_host_need(estimate: dict) -> int:
+    """Host RAM of CPU ranks: each keeps its model states and activations there (or the fp32
+    model it builds first, whichever is larger), plus the process itself."""
+    host, world = estimate["host"], estimate["inputs"]["world"]
+    base = host["per_rank"] - host["init_per_rank"]
+    return (max(estimate["gpu"]["allocated"], host["init_per_rank"]) + base) * world
+
+
+def cpu_verdict(
+    estimate: dict, host_mem_bytes: int | None, disk: tuple[int | None, int] | None = None
+) -> tuple[bool | None, str]:
+    """(fits, one line) for CPU ranks: their memory against the host's RAM, and the disk."""
+    need, world = cpu_host_need(estimate), estimate["inputs"]["world"]
+    what = f"{world} CPU rank(s) need {memory.fmt_gb(need)} of host RAM"
+    if host_mem_bytes is None:
+        return None, f"{what}; host RAM unknown: pass --host-mem GB"
+    if need > host_mem_bytes:
+        return False, f"{what}, {memory.fmt_gb(host_mem_bytes)} available"
+    disk_fits, disk_line = _disk_verdict(estimate, disk)
+    if not disk_fits:
+        return False, f"{what} of {memory.fmt_gb(host_mem_bytes)}, but {disk_line}"
+    line = f"fits: {what} of {memory.fmt_gb(host_mem_bytes)}"
+    return True, line + (f"; {disk_line}" if disk_line else "")
 
 
 # --------------------------------------------------------------------------- strategies
 
 
 def _strategy_name(
-    zero: int, opt: bool, par: bool, ckpt: bool, micro: int, preset: str | None = None
+    zero: int,
+    opt: bool,
+    par: bool,
+    ckpt: bool,
+    micro: int,
+    preset: str | None = None,
+    device: str = "cpu",
 ) -> str:
     parts = [f"preset {preset}"] if preset else []
     parts.append(f"ZeRO-{zero}")
+    to = " to NVMe" if device == "nvme" else ""
     if opt and par:
-        parts.append("optimizer+param offload")
+        parts.append(f"optimizer+param offload{to}")
     elif opt:
-        parts.append("optimizer offload")
+        parts.append(f"optimizer offload{to}")
     if ckpt:
         parts.append("activation checkpointing")
     parts.append(f"micro {micro}")
     return " + ".join(parts)
 
 
-def _ladder(
-    zero: int, opt: bool, par: bool, ckpt: bool, micro: int
-) -> list[tuple[int, bool, bool, bool, int]]:
-    """Strategies in cost order: memory layouts (as configured, ZeRO-3, + optimizer offload,
-    + parameter offload); within each: as configured, + checkpointing, then halving the micro
-    batch down to 1 (grad_accum grows to keep the global batch)."""
-    layouts = [(zero, opt, par)]
+Layout = tuple[int, bool, bool, str]  # ZeRO stage, optimizer offload, param offload, device
+
+
+def _layouts(first: Layout, nvme: bool) -> list[Layout]:
+    """Memory layouts in cost order: as configured, ZeRO-3, + optimizer offload, + parameter
+    offload (to host RAM), then both offloads to NVMe when an NVMe directory is set (DeepSpeed
+    swaps the optimizer to NVMe at ZeRO-3 only)."""
+    zero, opt, par, _ = first
+    out = [first]
     if zero < 3:
-        layouts.append((3, opt, par))
+        out.append((3, opt, par, "cpu"))
     if not opt:
-        layouts.append((3, True, par))
+        out.append((3, True, par, "cpu"))
     if not par:
-        layouts.append((3, True, True))
+        out.append((3, True, True, "cpu"))
+    if nvme:
+        out += [(3, True, False, "nvme"), (3, True, True, "nvme")]
+    return list(dict.fromkeys(out))
+
+
+def _ladder(first: Layout, ckpt: bool, micro: int, nvme: bool = False) -> list[tuple]:
+    """Strategies (zero, opt, par, device, ckpt, micro) in cost order: the memory layouts of
+    :func:`_layouts`; within each: as configured, + checkpointing, then halving the micro
+    batch down to 1 (grad_accum grows to keep the global batch)."""
     out = []
-    for z, o, p in layouts:
-        out.append((z, o, p, ckpt, micro))
+    for layout in _layouts(first, nvme):
+        out.append((*layout, ckpt, micro))
         if not ckpt:
-            out.append((z, o, p, True, micro))
+            out.append((*layout, True, micro))
         m = micro // 2
         while m >= 1:
-            out.append((z, o, p, True, m))
+            out.append((*layout, True, m))
             m //= 2
-    seen, unique = set(), []
-    for s in out:
-        if s not in seen:
-            seen.add(s)
-            unique.append(s)
-    return unique
+    return list(dict.fromkeys(out))
 
 
-def _attempt(config: Any, setup: memory.Setup, fit: tuple, preset: str | None, micro: int) -> dict:
-    """One strategy's row: ``fit`` = (GPU bytes, host bytes or None)."""
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What a machine offers a plan: GPU memory per GPU, host RAM and free disk (None:
+    unknown, not checked), and how many checkpoints the run keeps on disk at once."""
+
+    gpu_mem_bytes: int
+    host_mem_bytes: int | None = None
+    disk_free_bytes: int | None = None
+    checkpoints: int = 3
+
+    def verdict(self, est: dict) -> tuple[bool, str]:
+        disk = (self.disk_free_bytes, self.checkpoints)
+        return verdict(est, self.gpu_mem_bytes, self.host_mem_bytes, disk)
+
+
+def _attempt(config: Any, setup: memory.Setup, budget: Budget, preset: str | None, micro: int):
+    """One strategy's row."""
     est = memory.estimate(config, setup)
-    fits, reason = verdict(est, *fit)
+    fits, reason = budget.verdict(est)
     z, o, p = setup.zero_stage, setup.offload_optimizer, setup.offload_params
-    c, m = setup.activation_checkpointing, setup.micro_batch
+    c, m, dev = setup.activation_checkpointing, setup.micro_batch, setup.offload_device
+    disk = memory.disk_need(est, budget.checkpoints)
     return {
-        "strategy": _strategy_name(z, o, p, c, m, preset),
+        "strategy": _strategy_name(z, o, p, c, m, preset, dev if (o or p) else "cpu"),
         "preset": preset,
         "zero_stage": z,
         "offload_optimizer": o,
         "offload_params": p,
+        "offload_device": dev if (o or p) else "none",
         "activation_checkpointing": c,
         "micro_batch": m,
         "grad_accum_factor": micro // m,
@@ -188,6 +283,8 @@ def _attempt(config: Any, setup: memory.Setup, fit: tuple, preset: str | None, m
         "gpu_gb": memory.round_gb(est["gpu"]["total"]),
         "host_bytes": est["host"]["node_total"],
         "host_gb": memory.round_gb(est["host"]["node_total"]),
+        "disk_bytes": disk,
+        "disk_gb": memory.round_gb(disk),
         "fits": fits,
         "reason": reason,
         "recommended": False,
@@ -213,30 +310,32 @@ def cheapest_fit(
     gpu_mem_bytes: int,
     host_mem_bytes: int | None = None,
     smaller_presets: bool = True,
+    disk_free_bytes: int | None = None,
+    checkpoints: int = 3,
+    nvme: bool = False,
 ) -> list[dict[str, Any]]:
     """Strategies tried in cost order until one fits; the last row is the recommendation when
     its ``fits`` is True (``recommended`` marks it), otherwise nothing fits.
 
     Order: as configured; activation checkpointing; micro batch halved down to 1; ZeRO-3;
-    optimizer offload; parameter offload (each memory layout retried with checkpointing and
-    smaller micro batches); then smaller presets (one row each, its cheapest strategy). Every
+    optimizer offload; parameter offload; with ``nvme`` both offloads to NVMe (each memory
+    layout retried with checkpointing and smaller micro batches); then smaller presets (one row
+    each, its cheapest strategy). A strategy fits when the GPU, the host RAM and the disk
+    (``disk_free_bytes``, for ``checkpoints`` checkpoints) hold it; None is not checked. Every
     strategy counts the balancer's aux-loss scores (``seq_aux``), whatever ``setup`` says.
     """
     base = dataclasses.replace(setup, seq_aux=True)
-    fit, micro = (gpu_mem_bytes, host_mem_bytes), setup.micro_batch
+    budget = Budget(gpu_mem_bytes, host_mem_bytes, disk_free_bytes, checkpoints)
+    micro = setup.micro_batch
+    opt, par = setup.offload_optimizer, setup.offload_params
+    first = (setup.zero_stage, opt, par, setup.offload_device if opt or par else "cpu")
     ladder = [
-        dataclasses.replace(base.layout(z, o, p), activation_checkpointing=c, micro_batch=m)
-        for z, o, p, c, m in _ladder(
-            setup.zero_stage,
-            setup.offload_optimizer,
-            setup.offload_params,
-            setup.activation_checkpointing,
-            micro,
-        )
+        dataclasses.replace(base.layout(z, o, p, d), activation_checkpointing=c, micro_batch=m)
+        for z, o, p, d, c, m in _ladder(first, setup.activation_checkpointing, micro, nvme)
     ]
     rows: list[dict[str, Any]] = []
     for s in ladder:
-        rows.append(_attempt(config, s, fit, None, micro))
+        rows.append(_attempt(config, s, budget, None, micro))
         if rows[-1]["fits"]:
             rows[-1]["recommended"] = True
             return rows
@@ -245,7 +344,7 @@ def cheapest_fit(
     for name, cfg in _smaller_presets(config):
         last = None
         for s in ladder:
-            last = _attempt(cfg, s, fit, name, micro)
+            last = _attempt(cfg, s, budget, name, micro)
             if last["fits"]:
                 break
         rows.append(last)
@@ -264,27 +363,122 @@ def recommendation(rows: list[dict]) -> dict | None:
 
 def assess(req: request.Request, est: dict | None = None) -> dict[str, Any]:
     """The memory plan of ``req``: its estimate (``est`` when already made), the verdict for
-    its GPUs and host, the cheapest strategies that fit, and the disk summary. The checks before
-    a launch read it; reports/plan.json holds it with the tables."""
+    its GPUs (or CPU ranks), host RAM and disk, the cheapest strategies that fit, the smallest
+    machine that would hold the model when nothing fits, and the disk summary. The checks
+    before a launch read it; reports/plan.json holds it with the tables."""
     est = est or memory.estimate(req.config, req)
-    fits, reason, rows = None, "GPU memory unknown: pass --gpu-mem GB", []
-    if req.gpu_mem_bytes is not None:
-        fits, reason = verdict(est, req.gpu_mem_bytes, req.host_mem_bytes)
+    disk = (req.disk_free_bytes, req.checkpoints)
+    rows: list[dict] = []
+    if req.device == "cpu":
+        fits, reason = cpu_verdict(est, req.host_mem_bytes, disk)
+    elif req.gpu_mem_bytes is None:
+        fits, reason = None, "GPU memory unknown: pass --gpu-mem GB"
+    else:
+        fits, reason = verdict(est, req.gpu_mem_bytes, req.host_mem_bytes, disk)
         rows = cheapest_fit(
-            req.config, req, gpu_mem_bytes=req.gpu_mem_bytes, host_mem_bytes=req.host_mem_bytes
+            req.config,
+            req,
+            gpu_mem_bytes=req.gpu_mem_bytes,
+            host_mem_bytes=req.host_mem_bytes,
+            disk_free_bytes=req.disk_free_bytes,
+            checkpoints=req.checkpoints,
+            nvme=req.nvme_path is not None,
         )
-    return {
+    plan = {
         "request": req.record(),
         "estimate": est,
         "verdict": {"fits": fits, "reason": reason},
         "recommendation": recommendation(rows),
         "strategies": rows,
         "summary": req.summary(),
+        "smallest_machine": None,
     }
+    if model_fits(plan) is False:
+        plan["smallest_machine"] = smallest_machine(req, est)
+    return plan
+
+
+def model_fits(plan: dict) -> bool | None:
+    """Whether the planned model fits in some layout (a smaller preset does not count); None
+    when GPU memory or host RAM is unknown."""
+    if plan["verdict"]["fits"] is None:
+        return None
+    return bool(plan["verdict"]["fits"]) or any(
+        r["fits"] and r["preset"] is None for r in plan["strategies"]
+    )
+
+
+# Machines the smallest one is picked from: each size of GPU memory once (the first GPU of
+# request.GPU_MEMORY_BYTES that has it), 1, 2, 3, 4 or 8 of them.
+MACHINE_GPU_COUNTS = (1, 2, 3, 4, 8)
+
+
+def _gpu_sizes() -> list[tuple[int, str]]:
+    sizes: dict[int, str] = {}
+    for name, size in request.GPU_MEMORY_BYTES.items():
+        sizes.setdefault(size, name)
+    return sorted(sizes.items())
+
+
+def smallest_machine(req: request.Request, est: dict) -> dict[str, Any]:
+    """The smallest machine that would hold ``req``'s model in its cheapest strategy, with the
+    host RAM and disk that strategy needs (what the machine must have, not limits here): the
+    asked GPUs when host RAM or disk is all they lack, else as many GPUs as asked with the
+    smallest memory that holds it, else the least GPU memory in all (1 to 8 GPUs). For CPU
+    ranks, the host RAM they need."""
+    if req.device == "cpu":
+        return {
+            "cpu_ranks": req.world,
+            "host_bytes": cpu_host_need(est),
+            "disk_bytes": memory.disk_need(est, req.checkpoints),
+        }
+    asked = [(req.world, req.gpu_mem_bytes, "as asked")]
+    others = sorted(
+        (n != req.world, n * size, n, size, name)
+        for n in MACHINE_GPU_COUNTS
+        for size, name in _gpu_sizes()
+        if size > req.gpu_mem_bytes or n != req.world
+    )
+    for n, size, name in asked + [m[2:] for m in others]:
+        rows = cheapest_fit(
+            req.config,
+            dataclasses.replace(req, world=n),
+            gpu_mem_bytes=size,
+            smaller_presets=False,
+            checkpoints=req.checkpoints,
+            nvme=req.nvme_path is not None,
+        )
+        rec = recommendation(rows)
+        if rec is not None:
+            return {
+                "gpus": n,
+                "gpu_mem_bytes": size,
+                "gpu": name,
+                "host_bytes": rec["host_bytes"],
+                "disk_bytes": rec["disk_bytes"],
+                "strategy": rec["strategy"],
+            }
+    return {}
+
+
+def describe_machine(machine_: dict | None) -> str:
+    """The smallest machine as one phrase: "1 x 83.9 GB GPU (A100), 2,700.0 GB host RAM"."""
+    if not machine_:
+        return "no machine of up to 8 GPUs in the table holds it"
+    host = memory.fmt_gb(machine_["host_bytes"])
+    disk = memory.fmt_gb(machine_["disk_bytes"])
+    if "cpu_ranks" in machine_:
+        return f"{machine_['cpu_ranks']} CPU rank(s) with {host} of host RAM, {disk} of disk"
+    return (
+        f"{machine_['gpus']} x {memory.fmt_gb(machine_['gpu_mem_bytes'])} GPU(s) "
+        f"({machine_['gpu']}), {host} of host RAM, {disk} of disk: {machine_['strategy']}"
+    )
 
 
 def _gpus_of(record: dict) -> str:
     mem = record.get("gpu_mem_bytes")
+    if record.get("device") == "cpu":
+        return f"{record.get('world')} CPU rank(s)"
     if mem is None:
         return f"{record.get('world')} rank(s), GPU memory unknown"
     return f"{record.get('world')} GPU(s) of {memory.fmt_gb(mem)} ({record.get('gpu_mem_source')})"
@@ -301,10 +495,15 @@ def planned(req: request.Request) -> tuple[dict | None, str]:
     if not theirs:
         return None, ""
     mine = json.loads(json.dumps(req.record()))
-    if theirs == mine and saved.get("summary") == json.loads(json.dumps(req.summary())):
+    # Free disk changes as runs write: the doctor checks it again before every launch.
+    volatile = ("disk_free_bytes", "disk_source")
+    same = {k: v for k, v in theirs.items() if k not in volatile} == {
+        k: v for k, v in mine.items() if k not in volatile
+    }
+    if same and saved.get("summary") == json.loads(json.dumps(req.summary())):
         return saved, ""
-    keys = ("world", "gpu_mem_bytes", "gpu_mem_source")
-    if any(theirs.get(k) != mine[k] for k in keys):
+    keys = ("device", "world", "gpu_mem_bytes", "gpu_mem_source")
+    if any(theirs.get(k) != mine.get(k) for k in keys):
         return None, (
             f"{PLAN} was planned for {_gpus_of(theirs)}, this launch has {_gpus_of(mine)}: "
             "planning again"

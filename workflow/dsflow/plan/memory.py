@@ -92,6 +92,10 @@ DS_STAGE3_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size (16-bit el
 DS_SUB_GROUP_SIZE = 1_000_000_000  # ZeRO-3 optimizer sub-group (fp32 gradient copy at step)
 
 DEFAULT_BUCKETS = (200_000_000, 200_000_000)  # train.zero.{reduce,allgather}_bucket_size
+# DeepSpeed 0.19's NVMe offload defaults: pinned host buffers that stage the swap files.
+DS_NVME_OPTIMIZER_BUFFERS = 4  # offload_optimizer.buffer_count (fp32, one sub-group each)
+DS_NVME_PARAM_BUFFERS = 5  # offload_param.buffer_count
+DS_NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (16-bit elements)
 
 
 def round_gb(n: float) -> float:
@@ -109,7 +113,9 @@ class Setup:
     """How a run is laid out, as far as memory goes: everything :func:`estimate` needs besides
     the model. ``fused_optimizer``: train.perf.optimizer asks for dsflow's fused optimizer
     (dsflow.train.masteradam), which counts only at ZeRO-0 in bf16. ``bucket_sizes`` =
-    (``reduce_bucket_size``, ``allgather_bucket_size``) in elements."""
+    (``reduce_bucket_size``, ``allgather_bucket_size``) in elements. ``offload_device``: where
+    offloaded states live, ``cpu`` (host RAM) or ``nvme`` (swap files on disk, staged through
+    pinned host buffers)."""
 
     seq_len: int
     micro_batch: int
@@ -123,19 +129,27 @@ class Setup:
     overlap_comm: bool = True
     seq_aux: bool = True
     fused_optimizer: bool = False
+    offload_device: str = "cpu"
 
     @property
     def fused(self) -> bool:
         """Whether the fused optimizer runs: at ZeRO-0 in bf16 only."""
         return self.fused_optimizer and self.zero_stage == 0 and self.precision == "bf16"
 
-    def layout(self, zero_stage: int, offload_optimizer: bool, offload_params: bool) -> Setup:
-        """This setup in another memory layout."""
+    def layout(
+        self,
+        zero_stage: int,
+        offload_optimizer: bool,
+        offload_params: bool,
+        offload_device: str | None = None,
+    ) -> Setup:
+        """This setup in another memory layout (``offload_device`` None: this one's)."""
         return dataclasses.replace(
             self,
             zero_stage=zero_stage,
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
+            offload_device=offload_device or self.offload_device,
         )
 
 
@@ -310,6 +324,8 @@ def _check(setup: Setup) -> None:
         raise ValueError("optimizer offload needs ZeRO stage >= 1")
     if setup.offload_params and setup.zero_stage != 3:
         raise ValueError("parameter offload needs ZeRO-3")
+    if setup.offload_device not in ("cpu", "nvme"):
+        raise ValueError(f"offload_device must be cpu or nvme, got {setup.offload_device!r}")
 
 
 def _model_states(P: int, s: Setup) -> tuple[dict[str, int], dict[str, int]]:
@@ -354,6 +370,21 @@ def _model_states(P: int, s: Setup) -> tuple[dict[str, int], dict[str, int]]:
     return {**gpu, "gradients_fp32_step": grads_fp32}, host
 
 
+def _nvme(host: dict[str, int], P: int, s: Setup) -> tuple[dict[str, int], int]:
+    """(per-rank host bytes, per-rank swap-file bytes) of offloaded states on NVMe: the states
+    CPU offload keeps in host RAM go to swap files, and host RAM keeps DeepSpeed's pinned
+    buffers that stage them (one optimizer sub-group per buffer)."""
+    swap = sum(host.values())
+    part = _ceil_div(P, s.world)
+    buffers = {"optimizer": 0, "gradients": 0, "parameters": 0}
+    if s.offload_optimizer:
+        buffers["optimizer"] = DS_NVME_OPTIMIZER_BUFFERS * 4 * min(part, DS_SUB_GROUP_SIZE)
+    if s.offload_params:
+        w = bytes_per_element(s.precision)
+        buffers["parameters"] = DS_NVME_PARAM_BUFFERS * w * DS_NVME_PARAM_BUFFER_SIZE
+    return buffers, swap
+
+
 def _working_sets(P: int, shapes: tuple, activations: int, s: Setup) -> dict[str, int]:
     """Per-GPU bytes that exist during forward/backward only, besides the model states."""
     w = bytes_per_element(s.precision)
@@ -393,6 +424,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "overlap_comm": bool(setup.overlap_comm),
         "seq_aux": bool(setup.seq_aux),
         "fused_optimizer": bool(setup.fused),
+        "offload_device": setup.offload_device,
         "vocab_size": int(config.vocab_size),
     }
 
@@ -409,6 +441,9 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
     P = presets.param_counts(config)["total"]
     shapes = largest_module(config)
     states, host = _model_states(P, setup)
+    swap = 0
+    if setup.offload_device == "nvme" and (setup.offload_optimizer or setup.offload_params):
+        host, swap = _nvme(host, P, setup)
     acts = activation_bytes(
         config,
         seq_len=setup.seq_len,
@@ -454,10 +489,39 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
             "per_rank": host_per_rank,
             "node_total": host_per_rank * setup.world,
         },
+        # NVMe offload's swap files: every rank of the node writes its partition.
+        "nvme": {"per_rank": swap, "node_total": swap * setup.world},
     }
 
 
 # --------------------------------------------------------------------------- summary
+
+
+def checkpoint_bytes(P: int, precision: str, zero_stage: int) -> int:
+    """One DeepSpeed checkpoint on disk: the 16-bit module weights (mp_rank_00_model_states.pt;
+    not at ZeRO-3, whose fp32 partitions suffice) and every rank's fp32 master + Adam m, v
+    partitions (zero_pp_rank_*_optim_states.pt): 2 + 12 = 14 B/param under mixed precision."""
+    module = 0 if zero_stage == 3 else bytes_per_element(precision) * P
+    if precision == "fp32":
+        return module + (8 if zero_stage in (0, 3) else 12) * P
+    return module + 12 * P
+
+
+def checkpoints_on_disk(keep: int, steps: int, every: int) -> int:
+    """How many checkpoints exist at once at the peak: dsflow saves the new one before pruning
+    to ``keep``, so keep + 1, but never more than the run saves (every ``every`` steps, and at
+    the end when the last step is not one of those)."""
+    saves = steps // every + (1 if steps % every else 0)
+    return max(1, min(keep + 1, saves))
+
+
+def disk_need(est: dict, checkpoints: int) -> int:
+    """Disk a run laid out as ``est`` needs: ``checkpoints`` checkpoints, the exported HF model
+    and NVMe offload's swap files."""
+    inp, P = est["inputs"], est["params"]["total"]
+    ckpt = checkpoint_bytes(P, inp["precision"], inp["zero_stage"])
+    export = bytes_per_element(inp["precision"]) * P
+    return checkpoints * ckpt + export + est["nvme"]["node_total"]
 
 
 def summary(
@@ -468,25 +532,18 @@ def summary(
     precision: str,
     zero_stage: int,
     keep_checkpoints: int,
+    checkpoints: int | None = None,
 ) -> dict[str, Any]:
     """Parameter counts, FLOPs (the trainer's MFU formula) and on-disk sizes.
 
-    A DeepSpeed checkpoint holds the 16-bit module weights (mp_rank_00_model_states.pt; not at
-    ZeRO-3, whose fp32 partitions suffice) and every rank's fp32 master + Adam m, v partitions
-    (zero_pp_rank_*_optim_states.pt): 2 + 12 = 14 B/param under mixed precision. dsflow saves
-    the new checkpoint before pruning to ``keep_checkpoints``, so keep + 1 exist at the peak,
-    plus the exported HF model (models/final, safetensors in the training dtype).
+    ``checkpoints``: how many exist at once at the peak (:func:`checkpoints_on_disk`; default
+    keep + 1), plus the exported HF model (models/final, safetensors in the training dtype).
     """
     counts = presets.param_counts(config)
     P = counts["total"]
-    w = bytes_per_element(precision)
-    module = 0 if zero_stage == 3 else w * P
-    if precision == "fp32":
-        optim = (8 if zero_stage in (0, 3) else 12) * P
-    else:
-        optim = 12 * P
-    ckpt = module + optim
-    export = w * P
+    ckpt = checkpoint_bytes(P, precision, zero_stage)
+    export = bytes_per_element(precision) * P
+    checkpoints = keep_checkpoints + 1 if checkpoints is None else checkpoints
     fpt = flops_per_token(config, seq_len)
     return {
         "params_total": P,
@@ -498,5 +555,6 @@ def summary(
         "checkpoint_bytes": ckpt,
         "export_bytes": export,
         "keep_checkpoints": keep_checkpoints,
-        "disk_bytes": (keep_checkpoints + 1) * ckpt + export,
+        "checkpoints": checkpoints,
+        "disk_bytes": checkpoints * ckpt + export,
     }

@@ -61,10 +61,15 @@ class Request(memory.Setup):
     vocab_source: str
     grad_accum: int
     keep_checkpoints: int
+    checkpoints: int
+    device: str
     gpu_mem_bytes: int | None
     gpu_mem_source: str
     host_mem_bytes: int | None
     host_mem_source: str
+    disk_free_bytes: int | None = None
+    disk_source: str = "unknown"
+    nvme_path: str | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def record(self) -> dict[str, Any]:
@@ -74,10 +79,14 @@ class Request(memory.Setup):
             "vocab_size": self.vocab_size,
             "vocab_source": self.vocab_source,
             "grad_accum": self.grad_accum,
+            "device": self.device,
             "gpu_mem_bytes": self.gpu_mem_bytes,
             "gpu_mem_source": self.gpu_mem_source,
             "host_mem_bytes": self.host_mem_bytes,
             "host_mem_source": self.host_mem_source,
+            "disk_free_bytes": self.disk_free_bytes,
+            "disk_source": self.disk_source,
+            "nvme_path": self.nvme_path,
             **memory.inputs(self.config, self),
         }
 
@@ -90,6 +99,7 @@ class Request(memory.Setup):
             precision=self.precision,
             zero_stage=self.zero_stage,
             keep_checkpoints=self.keep_checkpoints,
+            checkpoints=self.checkpoints,
         )
 
 
@@ -187,15 +197,19 @@ def _config(
         notes.append(
             f"model.pretrained {pretrained!r} is not a local directory: planned the preset"
         )
+    tok = params.get("tokenizer", {})
+    published = presets.PRESETS[preset].get("published_vocab_size")
+    if vocab is None and published and _arg(args, "model") and not tok.get("pretrained"):
+        # An ad-hoc question about a published model: its own vocabulary, not the local
+        # tokenizer's (a tokenizer.pretrained or --vocab says otherwise).
+        vocab, vocab_source = published, f"{preset}'s published vocabulary"
     if vocab is None:
         vocab, vocab_source = _index_vocab(), str(shard_index("train"))
-    tok = params.get("tokenizer", {})
     if vocab is None and not _arg(args, "model") and not tok.get("pretrained"):
         # No shards yet: the tokenizer stage will train this many tokens (at most).
         vocab, vocab_source = tok.get("vocab_size"), "tokenizer.vocab_size"
     if vocab is None:
-        vocab = presets.PRESETS[preset].get("published_vocab_size")
-        vocab_source = f"{preset}'s published vocabulary"
+        vocab, vocab_source = published, f"{preset}'s published vocabulary"
     if vocab is None:
         vocab, vocab_source = DEFAULT_VOCAB, "default"
     return presets.model_config(preset, int(vocab), overrides), vocab_source
@@ -212,10 +226,18 @@ def _batch(train: dict, args: Any, world: int) -> tuple[int, int]:
     return int(batch.micro), int(batch.accum)
 
 
-def _layout(train: dict, args: Any, world: int, notes: list[str]) -> tuple[int, bool, bool]:
-    """(ZeRO stage, optimizer offload, parameter offload); `auto` plans its first stage."""
+def _layout(
+    train: dict, args: Any, world: int, device: str, notes: list[str]
+) -> tuple[int, bool, bool]:
+    """(ZeRO stage, optimizer offload, parameter offload); `auto` plans its first stage. Where
+    offloaded states go is :func:`_offload_device`'s."""
     zero = _arg(args, "zero")
-    if zero is None and train["zero_stage"] == "auto":
+    if zero is None and train["zero_stage"] == "auto" and device == "cpu":
+        # As layouts.cpu_layout: nothing to fit, the fewest collectives.
+        offload = train.get("offload") or {}
+        zero = 3 if offload.get("param", "none") != "none" else 2
+        notes.append(f"train.zero_stage: auto: ZeRO-{zero} on CPU ranks")
+    elif zero is None and train["zero_stage"] == "auto":
         zero = auto_first_stage(train, world)
         notes.append(
             f"train.zero_stage: auto: planned as ZeRO-{zero}; the train stage picks the "
@@ -236,6 +258,31 @@ def _layout(train: dict, args: Any, world: int, notes: list[str]) -> tuple[int, 
     return zero, offload_opt, offload_par
 
 
+def _offload_device(train: dict, args: Any) -> tuple[str, str | None]:
+    """(where offloaded states go, the NVMe directory): nvme where train.offload asks for it
+    (unless --zero replaces params' layout) or --nvme is given, else cpu."""
+    offload = train.get("offload") or {}
+    path = _arg(args, "nvme") or offload.get("nvme_path")
+    asked = _arg(args, "zero") is None and "nvme" in (
+        offload.get("optimizer"),
+        offload.get("param"),
+    )
+    return ("nvme" if asked or _arg(args, "nvme") else "cpu"), path
+
+
+def _device(train: dict, args: Any, gpus: list[dict], given: int | None) -> str:
+    """cuda or cpu: GPUs when GPU flags or memory are given, train.device says cuda, GPUs are
+    visible or a profile names one; CPU ranks when train.device says cpu or nothing else does."""
+    if given is not None or _arg(args, "gpu_mem") is not None or _arg(args, "gpus"):
+        return "cuda"
+    want = train.get("device", "auto")
+    if want == "cpu":
+        return "cpu"
+    if want == "cuda" or gpus or _profile_gpu(args) is not None:
+        return "cuda"
+    return "cpu"
+
+
 def _gpu_memory(
     args: Any, gpus: list[dict], world: int, given: int | None
 ) -> tuple[int | None, str]:
@@ -253,15 +300,31 @@ def _gpu_memory(
     return None, "unknown"
 
 
-def _host_memory(args: Any, given: int | None, gpu_source: str) -> tuple[int | None, str]:
-    """(host RAM bytes, where that came from): this machine's when its GPUs are planned for."""
+def _host_memory(
+    args: Any, given: int | None, gpu_source: str, device: str
+) -> tuple[int | None, str]:
+    """(host RAM bytes, where that came from): this machine's when its GPUs or CPU ranks are
+    planned for, or on the command line (`python -m dsflow plan`) unless --host-mem says."""
     if given is not None:
         return given, "given"
     if _arg(args, "host_mem") is not None:
         return int(float(_arg(args, "host_mem")) * memory.GB), "--host-mem"
-    if gpu_source.startswith("visible"):
+    if args is not None or device == "cpu" or gpu_source.startswith("visible"):
         return machine.host_memory_bytes(), "this machine"
     return None, "unknown"
+
+
+def _disk(args: Any, given: int | None) -> tuple[int | None, str]:
+    """(free disk bytes, where that came from): --disk, else this machine's free space here,
+    rounded down to whole GB so the plan stays the same while a run writes small files."""
+    if given is not None:
+        return given, "given"
+    if _arg(args, "disk") is not None:
+        return int(float(_arg(args, "disk")) * memory.GB), "--disk"
+    free = machine.disk_free_bytes(".")
+    if free is None:
+        return None, "unknown"
+    return free // memory.GB * memory.GB, "this machine"
 
 
 def resolve(
@@ -272,6 +335,7 @@ def resolve(
     gpus: list[dict[str, Any]] | None = None,
     gpu_mem_bytes: int | None = None,
     host_mem_bytes: int | None = None,
+    disk_free_bytes: int | None = None,
 ) -> Request:
     """The plan's inputs from params, the ad-hoc flags in ``args`` and the machine.
 
@@ -283,13 +347,17 @@ def resolve(
       ``published_vocab_size``; 32000.
     - world: ``world`` / ``--gpus`` / ``train.gpus`` x ``train.nodes`` (auto: the visible GPUs,
       else 1).
+    - device: GPUs when GPU flags or memory are given, or train.device, the visible GPUs or a
+      profile say so; else CPU ranks, which have no GPU memory and share the host's RAM.
     - GPU memory: ``gpu_mem_bytes`` / ``--gpu-mem``; the smallest of the visible GPUs used
       (``torch.cuda.get_device_properties``); a GPU named by a profile file (rtx4090x3.yaml);
-      else unknown. Host RAM: ``host_mem_bytes`` / ``--host-mem``; this machine's when its
-      GPUs are the ones planned for; else unknown (not checked).
+      else unknown. Host RAM: ``host_mem_bytes`` / ``--host-mem``; this machine's for the
+      command line, CPU ranks or its own GPUs; else unknown (not checked). Disk: ``--disk``,
+      else this machine's free space.
+    - checkpoints on disk: keep + 1 at most, never more than the run saves.
 
-    ``gpus`` (the visible GPUs as :func:`dsflow.machine.gpus` returns them) and
-    ``host_mem_bytes`` replace what this machine reports (the pre-launch checks pass theirs).
+    ``gpus`` (the visible GPUs as :func:`dsflow.machine.gpus` returns them),
+    ``host_mem_bytes`` and ``disk_free_bytes`` replace what this machine reports (the pre-launch checks pass theirs).
     """
     train = params["train"]
     notes: list[str] = []
@@ -299,10 +367,17 @@ def resolve(
     world = _world(train, args, world, gpus)
     config, vocab_source = _config(params, args, model, notes)
     micro, accum = _batch(train, args, world)
-    zero, offload_opt, offload_par = _layout(train, args, world, notes)
+    device = _device(train, args, gpus, gpu_mem_bytes)
+    zero, offload_opt, offload_par = _layout(train, args, world, device, notes)
     zcfg = train.get("zero", {})
-    gpu_mem, gpu_source = _gpu_memory(args, gpus, world, gpu_mem_bytes)
-    host_mem, host_source = _host_memory(args, host_mem_bytes, gpu_source)
+    gpu_mem, gpu_source = (
+        (None, "CPU ranks") if device == "cpu" else (_gpu_memory(args, gpus, world, gpu_mem_bytes))
+    )
+    host_mem, host_source = _host_memory(args, host_mem_bytes, gpu_source, device)
+    disk, disk_source = _disk(args, disk_free_bytes)
+    offload_device, nvme_path = _offload_device(train, args)
+    steps = dsconfig.total_steps(train, dsconfig.Batch(micro, accum, world))
+    keep = int(train.get("keep_checkpoints", 2))
     return Request(
         config=config,
         preset=model[0],
@@ -329,10 +404,16 @@ def resolve(
         )[0],
         seq_aux=float(train.get("balance", {}).get("seq_aux_alpha", 0.0)) > 0,
         fused_optimizer=fused_optimizer_wanted(train, world),
-        keep_checkpoints=int(train.get("keep_checkpoints", 2)),
+        offload_device=offload_device,
+        keep_checkpoints=keep,
+        checkpoints=memory.checkpoints_on_disk(keep, steps, int(train["checkpoint_every"])),
+        device=device,
         gpu_mem_bytes=gpu_mem,
         gpu_mem_source=gpu_source,
         host_mem_bytes=host_mem,
         host_mem_source=host_source,
+        disk_free_bytes=disk,
+        disk_source=disk_source,
+        nvme_path=nvme_path,
         notes=notes,
     )

@@ -6,7 +6,9 @@ machine's GPUs), estimates its memory (:mod:`dsflow.plan.memory`), judges the la
 reports/plan.json, which the train stage reads when it launches the same request.
 
 Sizes print in GB = 10^9 bytes. ``--gpu-mem 24`` means 24e9 bytes: a "24 GB" RTX 4090 reports
-24564 MiB (25.76e9 bytes), so the flag is slightly conservative.
+24564 MiB (25.76e9 bytes), so the flag is slightly conservative. Host RAM and free disk are this
+machine's unless ``--host-mem`` / ``--disk`` say otherwise. The command exits 1 (after writing
+reports/plan.json) when no layout of the model fits, unless train.force is set.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 from typing import Any
 
 from dsflow.atomic import atomic_file
+from dsflow.errors import UsageError
 from dsflow.model import presets
 from dsflow.paths import PLAN
 from dsflow.plan import layouts, memory, request, tables
@@ -28,7 +31,19 @@ def add_arguments(parser: Any) -> None:
     )
     parser.add_argument("--gpus", type=int, metavar="N", help="GPUs (data-parallel ranks)")
     parser.add_argument("--gpu-mem", type=float, metavar="GB", help="memory per GPU, GB (1e9)")
-    parser.add_argument("--host-mem", type=float, metavar="GB", help="host RAM, GB (1e9)")
+    parser.add_argument(
+        "--host-mem", type=float, metavar="GB", help="host RAM, GB (1e9); default: this machine's"
+    )
+    parser.add_argument(
+        "--disk",
+        type=float,
+        metavar="GB",
+        help="free disk for checkpoints, the export and NVMe swap, GB (1e9); default: this "
+        "machine's",
+    )
+    parser.add_argument(
+        "--nvme", metavar="PATH", help="NVMe offload directory: adds NVMe offload to the ladder"
+    )
     parser.add_argument("--vocab", type=int, metavar="N", help="vocabulary size")
     parser.add_argument("--seq-len", type=int, metavar="N")
     parser.add_argument("--micro-batch", type=int, metavar="N")
@@ -58,7 +73,11 @@ def build_plan(
             "train.offload.optimizer / train.offload.param: cpu (params need ZeRO-3)"
         )
     table = tables.plan_rows(
-        req.config, req, gpu_mem_bytes=req.gpu_mem_bytes, host_mem_bytes=req.host_mem_bytes
+        req.config,
+        req,
+        gpu_mem_bytes=req.gpu_mem_bytes,
+        host_mem_bytes=req.host_mem_bytes,
+        disk=(req.disk_free_bytes, req.checkpoints),
     )
     return {
         **plan,
@@ -68,10 +87,31 @@ def build_plan(
     }
 
 
+class NothingFits(UsageError):
+    """No layout of the model fits the machine: exit status 1 (2 is a usage mistake)."""
+
+    exit_code = 1
+
+
 def run(params: dict, args: Any = None) -> None:
-    """Print the plan and write reports/plan.json (sorted keys: same inputs, same bytes)."""
+    """Print the plan and write reports/plan.json (sorted keys: same inputs, same bytes);
+    raise NothingFits when no layout of the model fits, unless train.force is set."""
     plan = build_plan(params, args)
     print(tables.format_report(plan))
     with atomic_file(PLAN) as f:
         json.dump(plan, f, indent=2, sort_keys=True)
         f.write("\n")
+    if layouts.model_fits(plan) is False and not params["train"].get("force"):
+        req = plan["request"]
+        where = (
+            f"{req['world']} CPU rank(s)"
+            if req["device"] == "cpu"
+            else f"{req['world']} x {memory.fmt_gb(req['gpu_mem_bytes'])} GPU(s)"
+        )
+        host = req["host_mem_bytes"]
+        host = memory.fmt_gb(host) if host is not None else "unknown"
+        raise NothingFits(
+            f"nothing fits {req['preset']} on {where} with {host} of host RAM; smallest "
+            f"machine that would: {layouts.describe_machine(plan['smallest_machine'])} "
+            "(train.force: true plans anyway)"
+        )

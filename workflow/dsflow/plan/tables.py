@@ -41,11 +41,13 @@ def plan_rows(
     *,
     gpu_mem_bytes: int | None = None,
     host_mem_bytes: int | None = None,
+    disk: tuple[int | None, int] | None = None,
 ) -> list[dict[str, Any]]:
     """ZeRO 0-3 x {no offload, optimizer offload, optimizer+param offload (ZeRO-3)} x
     {no checkpointing, checkpointing} at ``setup``'s batch, ranks and precision. ZeRO-0 has no
     offload in DeepSpeed. The rows compare layouts under DeepSpeed's optimizer, with the
-    balancer's aux-loss scores counted."""
+    balancer's aux-loss scores counted. ``disk``: (free bytes, checkpoints on disk), as
+    :func:`layouts.verdict` takes it."""
     base = dataclasses.replace(setup, seq_aux=True, fused_optimizer=False)
     rows = []
     for zero in (0, 1, 2, 3):
@@ -62,7 +64,7 @@ def plan_rows(
                 )
                 fits = None
                 if gpu_mem_bytes is not None:
-                    fits = layouts.verdict(est, gpu_mem_bytes, host_mem_bytes)[0]
+                    fits = layouts.verdict(est, gpu_mem_bytes, host_mem_bytes, disk)[0]
                 rows.append(_plan_row(est, zero, opt, par, ckpt, fits))
     return rows
 
@@ -124,56 +126,104 @@ def strategies_table(rows: list[dict]) -> str:
             r["strategy"] + ("  <- recommended" if r["recommended"] else ""),
             f"{r['gpu_gb']:.1f}",
             f"{r['host_gb']:.1f}",
+            f"{r['disk_gb']:.1f}" if "disk_gb" in r else "?",
             _yes(r["fits"]),
         ]
         for r in rows
     ]
-    return format_table(["strategy", "per-GPU GB", "host GB", "fits"], body)
+    return format_table(["strategy", "per-GPU GB", "host GB", "disk GB", "fits"], body)
+
+
+def _source(n: int | None, source: str, flag: str) -> str:
+    if n is None:
+        return f"unknown (pass {flag} GB)"
+    if source == "this machine":
+        return f"{memory.fmt_gb(n)} (this machine's; {flag} GB to plan another)"
+    return f"{memory.fmt_gb(n)} ({source})"
+
+
+def _gpu_line(req: dict) -> str:
+    if req.get("device") == "cpu":
+        return f"CPU ranks: {req['world']}, sharing the host's RAM (no GPU memory to fit)"
+    return "GPU memory: " + _source(req["gpu_mem_bytes"], req["gpu_mem_source"], "--gpu-mem")
+
+
+def _run_line(req: dict) -> str:
+    ranks = (
+        f"{req['world']} CPU rank(s)" if req.get("device") == "cpu" else f"{req['world']} GPU(s)"
+    )
+    to = " to NVMe" if req.get("offload_device") == "nvme" else ""
+    return (
+        f"run: {ranks}, ZeRO-{req['zero_stage']}, {req['precision']}, "
+        f"seq {req['seq_len']} x micro {req['micro_batch']} x accum {req['grad_accum']}"
+        + (", dsflow's fused optimizer" if req.get("fused_optimizer") else "")
+        + (f", optimizer offload{to}" if req["offload_optimizer"] else "")
+        + (f", param offload{to}" if req["offload_params"] else "")
+        + (", activation checkpointing" if req["activation_checkpointing"] else "")
+    )
+
+
+def _memory_line(rep: dict) -> str:
+    req, est = rep["request"], rep["estimate"]
+    g = est["gpu"]
+    keys = ("weights", "gradients", "optimizer", "gradients_fp32_step", "activations")
+    keys += ("buckets", "grad_transient", "zero3_gathered")
+    if req.get("device") == "cpu":
+        parts = ", ".join(f"{k} {memory.fmt_gb(g[k])}" for k in keys if g[k])
+        return f"per rank: {parts} -> {memory.fmt_gb(g['allocated'])} allocated"
+    parts = ", ".join(f"{k} {memory.fmt_gb(g[k])}" for k in (*keys, "overhead") if g[k])
+    return f"per GPU: {parts} -> peak {memory.fmt_gb(g['total'])} ({est['peak_phase']})"
+
+
+def _host_line(rep: dict) -> str:
+    req, est = rep["request"], rep["estimate"]
+    have = _source(req["host_mem_bytes"], req["host_mem_source"], "--host-mem")
+    if req.get("device") == "cpu":
+        need = layouts.cpu_host_need(est)
+        return f"host RAM: {memory.fmt_gb(need)} for {req['world']} CPU rank(s); have {have}"
+    line = f"host RAM: {memory.fmt_gb(est['host']['node_total'])} for {req['world']} rank(s)"
+    return line + f"; have {have}"
+
+
+def _disk_line(rep: dict) -> str:
+    req, summ, est = rep["request"], rep["summary"], rep["estimate"]
+    n, keep = summ.get("checkpoints", summ["keep_checkpoints"] + 1), summ["keep_checkpoints"]
+    why = f"keep {keep} + 1 while saving" if n == keep + 1 else "all the run saves"
+    swap = est.get("nvme", {}).get("node_total")
+    have = _source(req.get("disk_free_bytes"), req.get("disk_source", ""), "--disk")
+    return (
+        f"disk: {memory.fmt_gb(summ['checkpoint_bytes'])} per checkpoint x {n} ({why}) "
+        f"+ export {memory.fmt_gb(summ['export_bytes'])}"
+        + (f" + NVMe swap files {memory.fmt_gb(swap)}" if swap else "")
+        + f" = {memory.fmt_gb(summ['disk_bytes'] + (swap or 0))}; free {have}"
+    )
 
 
 def format_report(rep: dict) -> str:
     """The plan (what reports/plan.json holds) as the text `python -m dsflow plan` prints."""
-    req, est, summ = rep["request"], rep["estimate"], rep["summary"]
-    g = est["gpu"]
-    gpu_mem = req["gpu_mem_bytes"]
+    req, summ = rep["request"], rep["summary"]
     lines = [
         f"model {req['preset']} (vocab {req['vocab_size']}, {req['vocab_source']}): "
         f"{summ['params_total'] / 1e9:.3f}B params, {summ['params_activated'] / 1e9:.3f}B "
         f"activated, {summ['flops_per_token'] / 1e9:.2f} GFLOP/token",
-        f"run: {req['world']} GPU(s), ZeRO-{req['zero_stage']}, {req['precision']}, "
-        f"seq {req['seq_len']} x micro {req['micro_batch']} x accum {req['grad_accum']}"
-        + (", dsflow's fused optimizer" if req.get("fused_optimizer") else "")
-        + (", optimizer offload" if req["offload_optimizer"] else "")
-        + (", param offload" if req["offload_params"] else "")
-        + (", activation checkpointing" if req["activation_checkpointing"] else ""),
-        "GPU memory: "
-        + (memory.fmt_gb(gpu_mem) + f" ({req['gpu_mem_source']})" if gpu_mem else "unknown"),
-        "per GPU: "
-        + ", ".join(
-            f"{k} {memory.fmt_gb(g[k])}"
-            for k in (
-                "weights",
-                "gradients",
-                "optimizer",
-                "gradients_fp32_step",
-                "activations",
-                "buckets",
-                "grad_transient",
-                "zero3_gathered",
-                "overhead",
-            )
-            if g[k]
-        )
-        + f" -> peak {memory.fmt_gb(g['total'])} ({est['peak_phase']})",
-        f"host RAM: {memory.fmt_gb(est['host']['node_total'])} for {req['world']} rank(s)",
-        f"disk: {memory.fmt_gb(summ['checkpoint_bytes'])} per checkpoint x "
-        f"{summ['keep_checkpoints']} + 1 while saving + export "
-        f"{memory.fmt_gb(summ['export_bytes'])} = {memory.fmt_gb(summ['disk_bytes'])}",
+        _run_line(req),
+        _gpu_line(req),
+        _memory_line(rep),
+        _host_line(rep),
+        _disk_line(rep),
         f"verdict: {rep['verdict']['reason']}",
     ]
+    if layouts.model_fits(rep) is False:
+        lines.append(
+            f"nothing fits {req['preset']} here; smallest machine that would: "
+            + layouts.describe_machine(rep.get("smallest_machine"))
+        )
+    if req.get("nvme_path"):
+        lines.append(f"note: NVMe offload directory {req['nvme_path']}: in the ladder")
     for note in rep["notes"]:
         lines.append(f"note: {note}")
     if rep["strategies"]:
         lines += ["", strategies_table(rep["strategies"])]
-    lines += ["", format_plan_rows(rep["table"])]
+    if req.get("device") != "cpu":
+        lines += ["", format_plan_rows(rep["table"])]
     return "\n".join(lines)
