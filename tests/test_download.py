@@ -1,14 +1,17 @@
 import json
 import math
 import os
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from conftest import dsflow, update_params
-from dsflow.data import grammar
+from dsflow.data import grammar, textfiles
 from dsflow.data.download import val_split
+from dsflow.data.textfiles import FileSource
+from dsflow.errors import UsageError
 
 
 def read_split(repo, split):
@@ -90,6 +93,9 @@ def test_files_source_reads_txt_jsonl_parquet_and_globs(project, tmp_path):
         ("wrong_ext", "unsupported file type"),
         ("no_match", "matches no file"),
         ("empty", "no non-empty document"),
+        ("zero_bytes", "no non-empty document"),
+        ("binary", "looks binary"),
+        ("utf16", "UTF-16 text"),
         ("bad_parquet", "cannot read as .parquet"),
     ],
 )
@@ -110,6 +116,15 @@ def test_bad_files_fail_with_one_line_naming_the_file(project, tmp_path, setup, 
     elif setup == "empty":
         path = bad / "x.txt"
         path.write_text("   \n")
+    elif setup == "zero_bytes":
+        path = bad / "x.txt"
+        path.write_bytes(b"")
+    elif setup == "binary":
+        path = bad / "x.txt"
+        path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    elif setup == "utf16":
+        path = bad / "x.txt"
+        path.write_text("caf\u00e9 au lait\n", encoding="utf-16")
     else:
         path = bad / "x.parquet"
         path.write_text("this is not parquet")
@@ -119,7 +134,7 @@ def test_bad_files_fail_with_one_line_naming_the_file(project, tmp_path, setup, 
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert expect in lines[0]
-    if setup not in ("no_match", "empty"):
+    if setup != "no_match":
         assert str(path) in lines[0]
     assert not (project / "data/raw").exists()
     assert not list((project / "data").glob(".raw.tmp-*"))
@@ -162,3 +177,140 @@ def test_unreachable_hub_dataset_is_a_clear_error(project):
     line = proc.stderr.strip().splitlines()[-1]
     assert "download.hf.path" in line and "nobody/no-such-dataset" in line
     assert "Traceback" not in proc.stderr
+
+
+def lines_of_text(n: int) -> str:
+    """`n` distinct lines of grammar prose, with a blank line after every fifth."""
+    out = []
+    for i in range(n):
+        out.append(f"{i}: {grammar.generate(7, i % 300)[0].splitlines()[0]}\n")
+        if i % 5 == 4:
+            out.append("\n")
+    return "".join(out)
+
+
+def file_docs(paths, split_by, chunk_bytes=8192, field="text") -> list[str]:
+    cfg = {"paths": [str(p) for p in paths], "split_by": split_by}
+    cfg.update(chunk_bytes=chunk_bytes, text_field=field)
+    return [d["text"] for d in FileSource(cfg).documents()]
+
+
+def test_split_by_cuts_files_into_paragraphs_lines_or_chunks(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("One.\nStill one.\n\n  \nTwo.\r\n\nThree\n")
+    assert file_docs([path], "file") == [path.read_bytes().decode()]
+    assert file_docs([path], "paragraph") == ["One.\nStill one.", "Two.", "Three"]
+    assert file_docs([path], "line") == ["One.", "Still one.", "Two.", "Three"]
+    # Chunks end at a line end and concatenate back to the file.
+    chunks = file_docs([path], "chunk", chunk_bytes=20)
+    assert "".join(chunks) == path.read_bytes().decode()
+    assert all(len(c.encode()) <= 20 and c.endswith("\n") for c in chunks)
+    # A line longer than a chunk is cut, never inside a character.
+    path.write_text("\u00e9" * 50 + "\n")
+    chunks = file_docs([path], "chunk", chunk_bytes=33)
+    assert "".join(chunks) == path.read_bytes().decode() and [len(c.encode()) for c in chunks] == [
+        32
+    ] * 3 + [5]
+    # Records are documents under auto; other modes cut them too.
+    rec = tmp_path / "r.jsonl"
+    rec.write_text(json.dumps({"text": "a\nb"}) + "\n")
+    assert file_docs([rec], "auto") == ["a\nb"] and file_docs([rec], "line") == ["a", "b"]
+
+
+@pytest.mark.parametrize("split_by", ["paragraph", "line", "chunk"])
+def test_documents_do_not_depend_on_the_read_block_size(tmp_path, monkeypatch, split_by):
+    path = tmp_path / "big.txt"
+    path.write_text(lines_of_text(400))
+    whole = file_docs([path], split_by, chunk_bytes=300)
+    monkeypatch.setattr(textfiles, "BLOCK", 97)  # blocks end inside lines, paragraphs, chunks
+    assert file_docs([path], split_by, chunk_bytes=300) == whole
+    assert len(whole) > 20
+
+
+def test_one_big_txt_file_works_with_the_defaults(project, tmp_path):
+    path = tmp_path / "shakespeare.txt"
+    path.write_text(lines_of_text(6000))
+    _files_params(project, [str(path)])
+    dsflow("download", cwd=project)
+    manifest = json.loads((project / "data/raw/manifest.json").read_text())
+    splits = manifest["splits"]
+    assert manifest["split_by"] == "auto" and splits["val"]["docs"] > 0
+    assert splits["train"]["bytes"] + splits["val"]["bytes"] == path.stat().st_size
+    val = [d["text"] for d in read_split(project, "val")]
+    texts = val + [d["text"] for d in read_split(project, "train")]
+    assert max(len(t.encode()) for t in texts) <= 8192
+    assert [val_split(t, 0.05) for t in texts] == [True] * len(val) + [False] * (
+        len(texts) - len(val)
+    )
+
+
+def test_a_document_too_long_for_the_split_names_the_file_and_the_key(project, tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text(lines_of_text(600))
+    for i in range(5):
+        (tmp_path / f"small{i}.txt").write_text(f"small file {i}\n")
+    _files_params(project, [str(tmp_path / "*.txt")])
+    update_params(project, {"download": {"files": {"split_by": "file"}}})
+    proc = dsflow("download", cwd=project, check=False)
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert "\n" not in line and str(big) in line
+    assert "download.files.split_by: chunk" in line and "download.val_fraction" in line
+    # Already cut in chunks: the fix is smaller chunks.
+    update_params(project, {"download": {"files": {"split_by": "auto", "chunk_bytes": 10**6}}})
+    proc = dsflow("download", cwd=project, check=False)
+    assert proc.returncode == 2 and "lower download.files.chunk_bytes (now 1000000)" in proc.stderr
+
+
+def test_an_empty_val_split_says_what_to_set(project, tmp_path):
+    path = tmp_path / "few.txt"
+    path.write_text("one line\nanother line\n")
+    _files_params(project, [str(path)])
+    update_params(project, {"download": {"files": {"split_by": "line"}}})
+    proc = dsflow("download", cwd=project, check=False)
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert "leave the val split empty" in line and "download.val_fraction" in line
+    assert "\n" not in line
+
+
+def test_interrupted_hf_download_resumes_where_it_stopped(project, tmp_path):
+    local = tmp_path / "hub_copy" / "data"
+    local.mkdir(parents=True)
+    n_files, per_file = 3, 6000
+    for k in range(n_files):
+        texts = [f"Shard {k} document {i} of the local hub copy." for i in range(per_file)]
+        pq.write_table(pa.table({"text": texts}), local / f"train-{k:05d}-of-00003.parquet")
+    hf = {"path": str(local.parent), "split": "train"}
+    update_params(project, {"download": {"source": "hf", "max_docs": None, "hf": hf}})
+    fresh = tmp_path / "fresh"
+    shutil.copytree(project, fresh)
+    dsflow("download", cwd=fresh)
+    # Killed after the first commit, part-way into the second file.
+    proc = dsflow("download", cwd=project, check=False, env={"DSFLOW_FAULT_DOWNLOAD_PARTS": "1"})
+    assert proc.returncode == -9
+    state = json.loads((project / "data/raw.partial/state.json").read_text())
+    done = sum(state["tally"]["stats"][s]["docs"] for s in ("train", "val"))
+    assert per_file < done < 2 * per_file and not (project / "data/raw").exists()
+    # The first file changes: a resumed download never reads it again.
+    pq.write_table(
+        pa.table({"text": [f"changed {i}" for i in range(per_file)]}),
+        local / "train-00000-of-00003.parquet",
+    )
+    proc = dsflow("download", cwd=project)
+    assert f"resuming after {done} documents" in proc.stderr
+    for name in ("train.parquet", "val.parquet", "manifest.json"):
+        assert (project / "data/raw" / name).read_bytes() == (
+            fresh / "data/raw" / name
+        ).read_bytes()
+    assert not (project / "data/raw.partial").exists()
+
+
+def test_jsonl_errors_name_the_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": 3}\n')
+    with pytest.raises(UsageError, match=r"x.jsonl: line 2: field 'text' holds int"):
+        file_docs([path], "auto")
+    path.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(UsageError, match=r"x.jsonl: line 2: not valid JSON"):
+        file_docs([path], "auto")

@@ -20,7 +20,11 @@ def test_params_yaml_is_valid_and_sets_every_knob():
         ({"tokenizer": {"vocab_size": 0}}, "tokenizer.vocab_size", ">= 1"),
         ({"download": {"source": "ftp"}}, "download.source", '"builtin", "hf", "files"'),
         ({"download": {"val_fraction": 0.9}}, "download.val_fraction", "<= 0.5"),
-        ({"tokenizer": {"vocab": 3}}, "tokenizer.vocab", "min_frequency, pretrained, vocab_size"),
+        (
+            {"tokenizer": {"vocab": 3}},
+            "tokenizer.vocab",
+            "min_frequency, pretrained, sample_bytes, vocab_size",
+        ),
         ({"bogus": 1}, "bogus", "download"),
         ({"download": {"hf": {"path": ""}}}, "download.hf.path", "at least 1 character"),
     ],

@@ -1,9 +1,12 @@
 import json
+import re
 import shutil
 
+import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
 from conftest import dsflow, update_params
+from dsflow.data.tokenizer import Sample
 
 
 def test_tokenizer_loads_with_autotokenizer_and_round_trips(prepared):
@@ -48,3 +51,32 @@ def test_pretrained_tokenizer_is_copied(prepared, tmp_path):
     update_params(copy, {"tokenizer": {"pretrained": str(tmp_path / "missing")}})
     proc = dsflow("tokenizer", cwd=copy, check=False, env={"HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and "tokenizer.pretrained" in proc.stderr
+
+
+def sampled(path, fraction, seed, batch_size=4096):
+    sample = Sample(path, fraction, seed, batch_size)
+    return [t for batch in sample for t in batch], sample
+
+
+def test_the_sample_is_seeded_and_independent_of_batching(prepared):
+    path = prepared / "data/raw/train.parquet"
+    every = pq.read_table(path).column("text").to_pylist()
+    a, sample = sampled(path, 0.3, seed=1)
+    assert sampled(path, 0.3, seed=1, batch_size=37)[0] == a
+    assert sampled(path, 0.3, seed=2)[0] != a
+    assert 0.2 < len(a) / len(every) < 0.4
+    assert set(a) <= set(every) and sample.docs == len(a)
+    assert sample.bytes == sum(len(t.encode()) for t in a)
+    assert sampled(path, 1.0, seed=1)[0] == every
+
+
+def test_sample_bytes_bounds_what_the_bpe_reads(prepared, tmp_path):
+    copy = tmp_path / "sampled"
+    shutil.copytree(prepared, copy)
+    update_params(copy, {"tokenizer": {"sample_bytes": 20000}})
+    dsflow("tokenizer", cwd=copy)
+    log = (copy / "logs/tokenizer.log").read_text()
+    trained = re.search(r"trained on (\d+) documents, (\d+) bytes", log)
+    assert "% sample of" in log
+    assert 10000 < int(trained.group(2)) < 30000
+    assert len(AutoTokenizer.from_pretrained(copy / "data/tokenizer")) == 384

@@ -8,6 +8,7 @@ from pathlib import Path
 
 # Data stages: download -> tokenizer -> tokenize -> shard.
 RAW = Path("data/raw")
+RAW_PARTIAL = Path("data/raw.partial")  # a resumable hf download in progress
 MANIFEST = RAW / "manifest.json"
 TOKENIZER = Path("data/tokenizer")
 TOKENS = Path("data/tokens")

@@ -6,6 +6,8 @@ rule download:
         code(
             "data/download.py",
             "data/grammar.py",
+            "data/hub.py",
+            "data/textfiles.py",
             "atomic.py",
             "errors.py",
             "paths.py",
@@ -23,12 +25,19 @@ rule download:
 
 rule tokenizer:
     input:
-        code("data/tokenizer.py", "atomic.py", "errors.py", "paths.py", "progress.py"),
+        code(
+            "data/shards.py",
+            "data/tokenizer.py",
+            "atomic.py",
+            "errors.py",
+            "paths.py",
+            "progress.py",
+        ),
         "data/raw",
     output:
         directory("data/tokenizer"),
     params:
-        **P("tokenizer"),
+        **P("seed", "tokenizer"),
     log:
         "logs/tokenizer.log",
     shell:

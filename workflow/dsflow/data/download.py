@@ -6,11 +6,9 @@ depend on order or count, and duplicate texts never straddle train and val.
 
 from __future__ import annotations
 
-import codecs
-import glob
 import hashlib
 import math
-import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,17 +16,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dsflow.atomic import atomic_dir, sha256_file, write_json
-from dsflow.data import grammar
+from dsflow.data import grammar, hub
+from dsflow.data.textfiles import FileSource
 from dsflow.errors import UsageError
-from dsflow.paths import RAW
+from dsflow.paths import RAW, RAW_PARTIAL
 from dsflow.progress import bar, log
 
 SPLITS = ("train", "val")
+# A row group ends at whichever comes first, so readers' batches stay bounded in memory.
 ROW_GROUP_DOCS = 8192
+ROW_GROUP_BYTES = 32 << 20
 
 
 def val_split(text: str, val_fraction: float) -> bool:
-    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return val_split_bytes(text.encode("utf-8"), val_fraction)
+
+
+def val_split_bytes(data: bytes, val_fraction: float) -> bool:
+    digest = hashlib.sha256(data).digest()
     return int.from_bytes(digest[:8], "big") < val_fraction * 2**64
 
 
@@ -41,123 +46,43 @@ def builtin_documents(cfg: dict, seed: int) -> Iterator[dict]:
         yield {"text": text, "logprob": logprob}
 
 
-def hf_documents(cfg: dict) -> Iterator[dict]:
-    import datasets
+class Tally:
+    """Documents, bytes and (builtin) nats per split, and the largest document and its origin."""
 
-    hf = cfg["hf"]
-    try:
-        ds = datasets.load_dataset(
-            hf["path"], hf["name"], split=hf["split"], revision=hf["revision"], streaming=True
+    def __init__(self, saved: dict | None = None):
+        saved = saved or {}
+        self.stats = saved.get("stats") or {s: {"docs": 0, "bytes": 0, "nats": 0.0} for s in SPLITS}
+        self.largest = saved.get("largest", [0, ""])
+
+    @property
+    def docs(self) -> int:
+        return sum(st["docs"] for st in self.stats.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(st["bytes"] for st in self.stats.values())
+
+    def add(self, split: str, n_bytes: int, doc: dict) -> None:
+        st = self.stats[split]
+        st["docs"] += 1
+        st["bytes"] += n_bytes
+        if "logprob" in doc:
+            st["nats"] -= doc["logprob"]
+        if n_bytes > self.largest[0]:
+            self.largest = [n_bytes, doc.get("origin", "")]
+
+    def full(self, cfg: dict) -> bool:
+        return bool(
+            (cfg["max_docs"] and self.docs >= cfg["max_docs"])
+            or (cfg["max_bytes"] and self.bytes >= cfg["max_bytes"])
         )
-        rows = iter(ds)
-        first = next(rows, None)
-    except Exception as e:  # the Hub client raises many types; all mean "cannot load"
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise UsageError(
-            f"download.hf.path: cannot load dataset {hf['path']!r} "
-            f"(name={hf['name']}, split={hf['split']}): {reason}. Check the name and your network, "
-            "or use download.source: files with a local copy"
-        ) from None
-    if first is None:
-        return
-    field = hf["text_field"]
-    if field not in first:
-        raise UsageError(
-            f"download.hf.text_field: dataset {hf['path']!r} has no field {field!r} "
-            f"(fields: {', '.join(sorted(first))})"
-        )
-    yield {"text": first[field]}
-    for row in rows:
-        yield {"text": row[field]}
 
-
-def _check_utf8(path: str) -> None:
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            try:
-                decoder.decode(block)
-            except UnicodeDecodeError as e:
-                raise UsageError(
-                    f"{path}: not valid UTF-8 at byte {offset + e.start}; "
-                    "re-encode the file as UTF-8 (e.g. iconv -t UTF-8)"
-                ) from None
-            offset += len(block)
-        try:
-            decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            raise UsageError(
-                f"{path}: ends inside a UTF-8 character; the file is truncated"
-            ) from None
-
-
-def _check_parquet(path: str) -> None:
-    try:
-        pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise UsageError(f"{path}: cannot read as .parquet ({str(e).strip()[:200]})") from None
-
-
-def expand_paths(patterns: list[str]) -> list[str]:
-    if not patterns:
-        raise UsageError("download.files.paths: empty; list .txt/.jsonl/.parquet files or globs")
-    files: list[str] = []
-    for pattern in patterns:
-        matched = sorted(glob.glob(pattern, recursive=True))
-        if not matched:
-            raise UsageError(f"download.files.paths: {pattern!r} matches no file")
-        files.extend(m for m in matched if os.path.isfile(m))
-    return files
-
-
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-def file_documents(cfg: dict) -> Iterator[dict]:
-    import datasets
-
-    field = cfg["files"]["text_field"]
-    for path in expand_paths(cfg["files"]["paths"]):
-        ext = Path(path).suffix.lower()
-        if ext not in BUILDERS:
-            raise UsageError(
-                f"{path}: unsupported file type {ext!r} (use .txt, .jsonl or .parquet)"
-            )
-        if not os.access(path, os.R_OK):
-            raise UsageError(f"{path}: cannot read the file (check its permissions)")
-        if ext == ".parquet":
-            _check_parquet(path)
-        else:
-            _check_utf8(path)
-        # One .txt file is one document: stories and articles keep their paragraph breaks.
-        extra = {"sample_by": "document"} if ext == ".txt" else {}
-        try:
-            ds = datasets.load_dataset(
-                BUILDERS[ext], data_files=[path], split="train", streaming=True, **extra
-            )
-            key = "text" if ext == ".txt" else field
-            for row in ds:
-                if key not in row:
-                    raise UsageError(
-                        f"{path}: a record has no field {field!r} (fields: {', '.join(sorted(row))}); "
-                        "set download.files.text_field"
-                    )
-                text = row[key]
-                if not isinstance(text, str):
-                    raise UsageError(
-                        f"{path}: field {field!r} holds {type(text).__name__}, not text"
-                    )
-                yield {"text": text}
-        except UsageError:
-            raise
-        except Exception as e:
-            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            raise UsageError(f"{path}: cannot read as {ext} ({reason})") from None
+    def to_json(self) -> dict:
+        return {"stats": self.stats, "largest": self.largest}
 
 
 class SplitWriter:
-    """Streams documents into one Parquet file per split, in fixed-size row groups."""
+    """Streams documents into one Parquet file per split, in bounded row groups."""
 
     def __init__(self, out: Path, schema: pa.Schema):
         self.schema = schema
@@ -165,24 +90,26 @@ class SplitWriter:
         self.writers = {
             s: pq.ParquetWriter(p, schema, compression="zstd") for s, p in self.paths.items()
         }
-        self.buffers: dict[str, list[dict]] = {s: [] for s in SPLITS}
-        self.stats = {s: {"docs": 0, "bytes": 0, "nats": 0.0} for s in SPLITS}
+        self.columns = {s: {f: [] for f in schema.names} for s in SPLITS}
+        self.buffered = {s: 0 for s in SPLITS}
 
     def add(self, split: str, doc: dict, n_bytes: int) -> None:
-        self.buffers[split].append(doc)
-        st = self.stats[split]
-        st["docs"] += 1
-        st["bytes"] += n_bytes
-        if "logprob" in doc:
-            st["nats"] -= doc["logprob"]
-        if len(self.buffers[split]) >= ROW_GROUP_DOCS:
+        columns = self.columns[split]
+        for name, values in columns.items():
+            values.append(doc[name])
+        self.buffered[split] += n_bytes
+        if len(columns["text"]) >= ROW_GROUP_DOCS or self.buffered[split] >= ROW_GROUP_BYTES:
             self._flush(split)
 
     def _flush(self, split: str) -> None:
-        if self.buffers[split]:
-            table = pa.Table.from_pylist(self.buffers[split], schema=self.schema)
+        columns = self.columns[split]
+        if columns["text"]:
+            table = pa.table(
+                [pa.array(columns[f.name], f.type) for f in self.schema], schema=self.schema
+            )
             self.writers[split].write_table(table)
-            self.buffers[split] = []
+            self.columns[split] = {f: [] for f in self.schema.names}
+            self.buffered[split] = 0
 
     def close(self) -> None:
         for split in SPLITS:
@@ -190,74 +117,161 @@ class SplitWriter:
             self.writers[split].close()
 
 
+def write_stream(docs: Iterator[dict], cfg: dict, writer: SplitWriter, tally: Tally) -> None:
+    """The builtin and files sources: each non-blank document to its split, up to the caps."""
+    for doc in docs:
+        text = doc["text"]
+        if not text or not text.strip():
+            continue
+        data = text.encode("utf-8")
+        split = "val" if val_split_bytes(data, cfg["val_fraction"]) else "train"
+        writer.add(split, doc, len(data))
+        tally.add(split, len(data), doc)
+        if tally.full(cfg):
+            break
+
+
+def hf_download(cfg: dict) -> tuple[hub.Partial, Tally]:
+    """Stream the Hub dataset into committed parts, resuming from the last commit."""
+    key = {k: cfg[k] for k in ("hf", "val_fraction", "max_docs", "max_bytes")}
+    partial = hub.Partial(RAW_PARTIAL, key)
+    tally = Tally(partial.state.get("tally"))
+    if partial.state.get("done"):
+        return partial, tally
+    ds = hub.open_stream(cfg["hf"])
+    if partial.state["stream"] is not None:
+        ds.load_state_dict(partial.state["stream"])
+        log.info("resuming after %d documents (%.1f MB)", tally.docs, tally.bytes / 1e6)
+    with bar(desc="download", total=cfg["max_docs"], initial=tally.docs, unit="doc") as progress:
+        for texts in hub.text_batches(ds, cfg["hf"], tally.docs):
+            for text in texts:
+                if not text.strip():
+                    continue
+                data = text.encode("utf-8")
+                split = "val" if val_split_bytes(data, cfg["val_fraction"]) else "train"
+                partial.add(split, text, len(data))
+                tally.add(split, len(data), {})
+                if tally.full(cfg):
+                    break
+            progress.n = tally.docs
+            progress.refresh()
+            if tally.full(cfg):
+                break
+            if partial.due():
+                partial.commit(ds.state_dict(), tally.to_json())
+    partial.commit(None, tally.to_json(), done=True)
+    return partial, tally
+
+
+def cut_finer(files: dict, origin: str) -> str:
+    """What makes documents smaller under the files source's current split_by."""
+    split_by = files["split_by"]
+    if split_by == "auto" and origin.lower().endswith(".txt"):
+        split_by = "chunk"
+    if split_by == "chunk":
+        return f"lower download.files.chunk_bytes (now {files['chunk_bytes']})"
+    if split_by == "line":
+        return "add documents or raise download.val_fraction"
+    return "set download.files.split_by: chunk (or line)"
+
+
+def check_splits(cfg: dict, tally: Tally) -> None:
+    """A split the training cannot use is an error that says which key to change."""
+    source = cfg["source"]
+    if tally.docs == 0:
+        raise UsageError(f"download: the {source} source gave no non-empty document")
+    size, origin = tally.largest
+    too_long = None
+    if source == "files" and size > cfg["val_fraction"] * tally.bytes:
+        too_long = (
+            f"{origin} holds a document of {size} bytes, {100 * size / tally.bytes:.0f}% of the "
+            f"corpus, more than download.val_fraction ({cfg['val_fraction']}): "
+            f"{cut_finer(cfg['files'], origin)}"
+        )
+    for split in SPLITS:
+        if tally.stats[split]["docs"] == 0:
+            hint = too_long or "add documents or raise download.val_fraction"
+            raise UsageError(
+                f"download: {tally.docs} document(s) leave the {split} split empty; {hint}"
+            )
+    if too_long:
+        raise UsageError(f"download: the val split cannot be a fair sample: {too_long}")
+
+
+def build_manifest(params: dict, tally: Tally, writer: SplitWriter, files: list[str]) -> dict:
+    cfg = params["download"]
+    source = cfg["source"]
+    manifest = {"source": source, "val_fraction": cfg["val_fraction"], "splits": {}}
+    if source == "builtin":
+        manifest.update(grammar_version=grammar.GRAMMAR_VERSION, seed=params["seed"])
+    elif source == "hf":
+        manifest["hf"] = cfg["hf"]
+    else:
+        manifest["files"] = files
+        manifest["split_by"] = cfg["files"]["split_by"]
+        manifest["chunk_bytes"] = cfg["files"]["chunk_bytes"]
+    for split in SPLITS:
+        st = tally.stats[split]
+        entry = {
+            "file": f"{split}.parquet",
+            "docs": st["docs"],
+            "bytes": st["bytes"],
+            "sha256": sha256_file(writer.paths[split]),
+        }
+        if source == "builtin":
+            # Exact: the grammar is unambiguous, so -logprob is each text's information.
+            entry["entropy_bits_per_byte"] = st["nats"] / math.log(2) / st["bytes"]
+        manifest["splits"][split] = entry
+    if source == "builtin":
+        nats = sum(tally.stats[s]["nats"] for s in SPLITS)
+        manifest["entropy_bits_per_byte"] = nats / math.log(2) / tally.bytes
+    return manifest
+
+
 def run(params: dict) -> None:
     cfg = params["download"]
     source = cfg["source"]
+    fields = [("text", pa.string())]
+    files: list[str] = []
     if source == "builtin":
-        docs = builtin_documents(cfg, params["seed"])
-        fields = [("text", pa.string()), ("logprob", pa.float64())]
-        total = cfg["max_docs"]
-    elif source == "hf":
-        docs, fields, total = hf_documents(cfg), [("text", pa.string())], cfg["max_docs"]
-    else:
-        docs, fields, total = file_documents(cfg), [("text", pa.string())], None
-    max_docs = cfg["max_docs"]
-    max_bytes = cfg["max_bytes"]
-
+        fields.append(("logprob", pa.float64()))
+    elif source == "files":
+        file_source = FileSource(cfg["files"])
+        files = file_source.paths
+    partial = None
     with atomic_dir(RAW) as tmp:
         writer = SplitWriter(tmp, pa.schema(fields))
-        n_docs = n_bytes = 0
         try:
-            for doc in bar(docs, desc="download", total=total, unit="doc"):
-                text = doc["text"]
-                if not text or not text.strip():
-                    continue
-                size = len(text.encode("utf-8"))
-                split = "val" if val_split(text, cfg["val_fraction"]) else "train"
-                writer.add(split, doc, size)
-                n_docs += 1
-                n_bytes += size
-                if (max_docs and n_docs >= max_docs) or (max_bytes and n_bytes >= max_bytes):
-                    break
+            if source == "hf":
+                partial, tally = hf_download(cfg)
+                for split in SPLITS:
+                    for texts in partial.texts(split):
+                        for text in texts:
+                            writer.add(split, {"text": text}, len(text.encode("utf-8")))
+            else:
+                tally = Tally()
+                docs = (
+                    bar(
+                        builtin_documents(cfg, params["seed"]),
+                        desc="download",
+                        unit="doc",
+                        total=cfg["max_docs"],
+                    )
+                    if source == "builtin"
+                    else file_source.documents()
+                )
+                write_stream(docs, cfg, writer, tally)
         finally:
             writer.close()
-        stats = writer.stats
-        if n_docs == 0:
-            raise UsageError(f"download: the {source} source gave no non-empty document")
-        for split in SPLITS:
-            if stats[split]["docs"] == 0:
-                raise UsageError(
-                    f"download: {n_docs} document(s) leave the {split} split empty; "
-                    "add documents or change download.val_fraction"
-                )
-        manifest = {"source": source, "val_fraction": cfg["val_fraction"], "splits": {}}
-        if source == "builtin":
-            manifest.update(grammar_version=grammar.GRAMMAR_VERSION, seed=params["seed"])
-        elif source == "hf":
-            manifest["hf"] = cfg["hf"]
-        else:
-            manifest["files"] = expand_paths(cfg["files"]["paths"])
-        for split in SPLITS:
-            st = stats[split]
-            entry = {
-                "file": f"{split}.parquet",
-                "docs": st["docs"],
-                "bytes": st["bytes"],
-                "sha256": sha256_file(writer.paths[split]),
-            }
-            if source == "builtin":
-                # Exact: the grammar is unambiguous, so -logprob is each text's information.
-                entry["entropy_bits_per_byte"] = st["nats"] / math.log(2) / st["bytes"]
-            manifest["splits"][split] = entry
-        if source == "builtin":
-            nats = sum(stats[s]["nats"] for s in SPLITS)
-            manifest["entropy_bits_per_byte"] = nats / math.log(2) / n_bytes
-        write_json(tmp / "manifest.json", manifest)
+        check_splits(cfg, tally)
+        write_json(tmp / "manifest.json", build_manifest(params, tally, writer, files))
+    if partial is not None:
+        shutil.rmtree(partial.folder)
     log.info(
         "%d documents, %.1f MB -> %s (train %d, val %d)",
-        n_docs,
-        n_bytes / 1e6,
+        tally.docs,
+        tally.bytes / 1e6,
         RAW,
-        stats["train"]["docs"],
-        stats["val"]["docs"],
+        tally.stats["train"]["docs"],
+        tally.stats["val"]["docs"],
     )

@@ -24,7 +24,7 @@ from dsflow.errors import UsageError
 MASK64 = np.uint64(2**64 - 1)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: np.ndarray) -> np.ndarray:
     """A fixed integer hash: the permutation must not change with numpy's RNG algorithms."""
     with np.errstate(over="ignore"):
         x = (x + np.uint64(0x9E3779B97F4A7C15)) & MASK64
@@ -34,8 +34,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    key = _splitmix64(np.uint64(seed) * np.uint64(1000003) + np.uint64(epoch))
-    keys = _splitmix64(np.arange(n, dtype=np.uint64) ^ key)
+    key = splitmix64(np.uint64(seed) * np.uint64(1000003) + np.uint64(epoch))
+    keys = splitmix64(np.arange(n, dtype=np.uint64) ^ key)
     return np.argsort(keys, kind="stable")
 
 

@@ -2,18 +2,28 @@
 
 Saved as a transformers fast tokenizer, so `AutoTokenizer.from_pretrained("data/tokenizer")` loads
 it. Or `tokenizer.pretrained` names an existing tokenizer (a path or Hub id) to copy instead.
+
+The BPE trains on a sample of about `tokenizer.sample_bytes` bytes of the train split: document i
+is in it when a hash of (seed, i) falls below sample_bytes / the split's bytes. So the same seed
+and data give the same sample, its memory does not grow with the corpus, and a split smaller than
+sample_bytes trains on every document.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dsflow.atomic import atomic_dir
+from dsflow.data.shards import splitmix64
 from dsflow.errors import UsageError
-from dsflow.paths import RAW, TOKENIZER
+from dsflow.paths import MANIFEST, RAW, TOKENIZER
 from dsflow.progress import bar, log
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -22,9 +32,32 @@ N_BYTES = 256
 MIN_VOCAB = len(SPECIALS) + N_BYTES
 
 
-def iter_texts(path: Path, batch_size: int = 4096):
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=["text"]):
-        yield batch.column(0).to_pylist()
+SAMPLE_SALT = 0x746F6B656E697A65  # keeps the sample apart from other uses of the seed
+
+
+class Sample:
+    """Batches of the sampled texts of a parquet split; counts what it gave."""
+
+    def __init__(self, path: Path, fraction: float, seed: int, batch_size: int = 4096):
+        self.path, self.batch_size = path, batch_size
+        self.fraction = fraction
+        self.key = splitmix64(np.uint64(seed) ^ np.uint64(SAMPLE_SALT))
+        self.docs = self.bytes = 0
+
+    def __iter__(self):
+        # Compared in [0, 2**64): every document when the fraction is 1.
+        threshold = np.uint64(min(int(self.fraction * 2**64), 2**64 - 1))
+        row = 0
+        parquet = pq.ParquetFile(self.path)
+        for batch in parquet.iter_batches(batch_size=self.batch_size, columns=["text"]):
+            texts = batch.column(0)
+            if self.fraction < 1:
+                rows = np.arange(row, row + len(texts), dtype=np.uint64)
+                texts = texts.filter(pa.array(splitmix64(rows ^ self.key) < threshold))
+            row += batch.num_rows
+            self.docs += len(texts)
+            self.bytes += pc.sum(pc.binary_length(texts)).as_py() or 0
+            yield texts.to_pylist()
 
 
 def check_vocab_size(vocab_size: int) -> None:
@@ -82,6 +115,30 @@ def load_pretrained(name: str):
     return tok
 
 
+def train_on_sample(cfg: dict, seed: int, train_path: Path):
+    check_vocab_size(cfg["vocab_size"])
+    if not MANIFEST.exists():
+        raise UsageError(f"{MANIFEST}: missing; run the download stage first")
+    split = json.loads(MANIFEST.read_text())["splits"]["train"]
+    limit = cfg["sample_bytes"]
+    fraction = 1.0 if limit is None or limit >= split["bytes"] else limit / split["bytes"]
+    sample = Sample(train_path, fraction, seed)
+    log.info(
+        "training byte-level BPE, vocab %d, on %s of %d documents (%.1f MB; "
+        "tokenizer.sample_bytes %s, seed %d)",
+        cfg["vocab_size"],
+        "all" if fraction == 1 else f"a {fraction:.2%} sample",
+        split["docs"],
+        split["bytes"] / 1e6,
+        limit,
+        seed,
+    )
+    expect = round(split["docs"] * fraction)
+    tok = train_bpe(sample, expect, cfg["vocab_size"], cfg["min_frequency"])
+    log.info("trained on %d documents, %d bytes", sample.docs, sample.bytes)
+    return tok
+
+
 def run(params: dict) -> None:
     cfg = params["tokenizer"]
     train_path = RAW / "train.parquet"
@@ -90,10 +147,7 @@ def run(params: dict) -> None:
     if cfg["pretrained"]:
         tok = load_pretrained(cfg["pretrained"])
     else:
-        check_vocab_size(cfg["vocab_size"])
-        n_docs = pq.ParquetFile(train_path).metadata.num_rows
-        log.info("training byte-level BPE, vocab %d, on %d documents", cfg["vocab_size"], n_docs)
-        tok = train_bpe(iter_texts(train_path), n_docs, cfg["vocab_size"], cfg["min_frequency"])
+        tok = train_on_sample(cfg, params["seed"], train_path)
     with atomic_dir(TOKENIZER) as tmp:
         tok.save_pretrained(tmp)
     log.info("tokenizer with %d tokens -> %s", len(tok), TOKENIZER)

@@ -1,0 +1,257 @@
+"""The `files` source: local .txt, .jsonl and .parquet files -> document texts.
+
+Files are read with plain buffered reads in blocks of `BLOCK` bytes, so memory stays bounded by
+the block size (not the file or corpus size) and a file costs one open and a few reads: no
+per-file framework setup. `download.files.split_by` says how a text becomes documents:
+
+- `auto`: a .txt file is cut like `chunk`; a .jsonl or .parquet record is one document.
+- `file`: a .txt file (or a record) is one document; the whole file is held in memory.
+- `paragraph`: runs of non-blank lines, separated by blank lines, each stripped.
+- `line`: each line without its line ending.
+- `chunk`: pieces of at most `chunk_bytes` bytes that end at a line end; a longer line is cut at a
+  character boundary. The pieces of a file concatenate back to the file exactly.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dsflow.errors import UsageError
+from dsflow.progress import bar
+
+BLOCK = 8 << 20
+SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+# A newline, then one or more lines holding only whitespace: the end of a paragraph.
+PARAGRAPH_BREAK = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
+UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+
+
+def expand_paths(patterns: list[str]) -> list[str]:
+    if not patterns:
+        raise UsageError("download.files.paths: empty; list .txt/.jsonl/.parquet files or globs")
+    files: list[str] = []
+    for pattern in patterns:
+        matched = sorted(glob.glob(pattern, recursive=True))
+        if not matched:
+            raise UsageError(f"download.files.paths: {pattern!r} matches no file")
+        files.extend(m for m in matched if os.path.isfile(m))
+    return files
+
+
+def check_file(path: str) -> str:
+    """The file's suffix, once it is known to be a readable, supported file."""
+    ext = Path(path).suffix.lower()
+    if ext not in SUFFIXES:
+        raise UsageError(f"{path}: unsupported file type {ext!r} (use .txt, .jsonl or .parquet)")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"{path}: cannot read the file (check its permissions)")
+    if ext == ".parquet":
+        try:
+            pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:
+            msg = str(e).strip()[:200]
+            raise UsageError(f"{path}: cannot read as .parquet ({msg})") from None
+    return ext
+
+
+def check_text_start(path: str, head: bytes) -> None:
+    """Refuse what is not UTF-8 text before reading further: binaries and UTF-16."""
+    if head.startswith(UTF16_BOMS):
+        raise UsageError(
+            f"{path}: UTF-16 text; re-encode the file as UTF-8 (iconv -f UTF-16 -t UTF-8)"
+        )
+    nul = head.find(b"\x00", 0, 8192)
+    if nul >= 0:
+        raise UsageError(
+            f"{path}: looks binary (a NUL byte at offset {nul}); list only text files in "
+            "download.files.paths"
+        )
+
+
+def decode(path: str, data: bytes, offset: int) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"{path}: not valid UTF-8 at byte {offset + e.start}; re-encode the file as UTF-8 "
+            "(e.g. iconv -f LATIN1 -t UTF-8)"
+        ) from None
+
+
+def cut_chunks(data: bytes, chunk_bytes: int, final: bool) -> tuple[list[tuple[int, int]], int]:
+    """(start, end) pieces of `data` of at most `chunk_bytes`, ending after a newline where the
+    piece has one; the offset where the unfinished rest starts (all of it when `final`)."""
+    spans, pos, n = [], 0, len(data)
+    while n - pos > chunk_bytes or (final and pos < n):
+        if n - pos <= chunk_bytes:
+            end = n
+        else:
+            end = data.rfind(b"\n", pos, pos + chunk_bytes) + 1
+            if end <= pos:  # one line longer than a chunk: cut it, not a character
+                end = pos + chunk_bytes
+                while end > pos and (data[end] & 0xC0) == 0x80:
+                    end -= 1
+        spans.append((pos, end))
+        pos = end
+    return spans, pos
+
+
+def cut_separated(data: bytes, split_by: str, final: bool) -> tuple[list[tuple[int, int]], int]:
+    """(start, end) paragraphs or lines of `data`; where the unfinished rest starts."""
+    spans, pos = [], 0
+    if split_by == "paragraph":
+        for m in PARAGRAPH_BREAK.finditer(data):
+            spans.append((pos, m.start()))
+            pos = m.end()
+    else:
+        while (nl := data.find(b"\n", pos)) >= 0:
+            spans.append((pos, nl))
+            pos = nl + 1
+    if final and pos < len(data):
+        spans.append((pos, len(data)))
+        pos = len(data)
+    return spans, pos
+
+
+def cut(data: bytes, split_by: str, chunk_bytes: int, final: bool):
+    if split_by in ("chunk", "auto"):
+        return cut_chunks(data, chunk_bytes, final)
+    if split_by == "file":
+        return ([(0, len(data))], len(data)) if final else ([], 0)
+    return cut_separated(data, split_by, final)
+
+
+def clean(text: str, split_by: str) -> str:
+    """Paragraphs lose surrounding whitespace, lines their line ending; chunks stay verbatim."""
+    if split_by == "paragraph":
+        return text.strip()
+    if split_by == "line":
+        return text.rstrip("\r")
+    return text
+
+
+def txt_texts(path: str, split_by: str, chunk_bytes: int, progress) -> Iterator[str]:
+    """The documents of one .txt file, read in blocks; only `file` holds the whole file."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read() if split_by == "file" or size <= BLOCK else f.read(BLOCK)
+        check_text_start(path, data)
+        base = 0  # the file offset of data[0]
+        while True:
+            block = f.read(BLOCK) if base + len(data) < size else b""
+            final = not block
+            spans, keep = cut(data, split_by, chunk_bytes, final)
+            for start, end in spans:
+                yield clean(decode(path, data[start:end], base + start), split_by)
+            progress.update(keep)
+            if final:
+                return
+            base += keep
+            data = data[keep:] + block
+
+
+def jsonl_texts(path: str, field: str, progress) -> Iterator[str]:
+    with open(path, "rb") as f:
+        offset = 0
+        for lineno, line in enumerate(f, 1):
+            if lineno == 1:
+                check_text_start(path, line)
+            text = decode(path, line, offset)
+            offset += len(line)
+            progress.update(len(line))
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise UsageError(
+                    f"{path}: line {lineno}: not valid JSON ({e.msg}); .jsonl holds one JSON "
+                    "object per line"
+                ) from None
+            yield record_text(path, record, field, f"line {lineno}")
+
+
+def record_text(path: str, record, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        fields = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+        raise UsageError(
+            f"{path}: {where}: a record has no field {field!r} (fields: {fields}); "
+            "set download.files.text_field"
+        )
+    text = record[field]
+    if not isinstance(text, str):
+        raise UsageError(f"{path}: {where}: field {field!r} holds {type(text).__name__}, not text")
+    return text
+
+
+def parquet_texts(path: str, field: str, progress) -> Iterator[str]:
+    pf = pq.ParquetFile(path)
+    schema = pf.schema_arrow
+    if field not in schema.names:
+        raise UsageError(
+            f"{path}: a record has no field {field!r} (fields: {', '.join(sorted(schema.names))}); "
+            "set download.files.text_field"
+        )
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise UsageError(f"{path}: field {field!r} holds {kind}, not text")
+    per_group = os.path.getsize(path) // max(pf.num_row_groups, 1)
+    for group in range(pf.num_row_groups):
+        for batch in pf.iter_batches(batch_size=1024, row_groups=[group], columns=[field]):
+            yield from (t for t in batch.column(0).to_pylist() if t is not None)
+        progress.update(per_group)
+
+
+def resplit(text: str, split_by: str, chunk_bytes: int) -> list[str]:
+    """A record's text cut as `split_by` says (records are documents under auto and file)."""
+    if split_by in ("auto", "file"):
+        return [text]
+    data = text.encode("utf-8")
+    spans, _ = cut(data, split_by, chunk_bytes, final=True)
+    return [clean(data[s:e].decode("utf-8"), split_by) for s, e in spans]
+
+
+class FileSource:
+    """Documents of the listed files, in the order of `download.files.paths` (globs sorted)."""
+
+    def __init__(self, cfg: dict):
+        self.split_by = cfg["split_by"]
+        self.chunk_bytes = cfg["chunk_bytes"]
+        self.field = cfg["text_field"]
+        self.paths = expand_paths(cfg["paths"])
+        self.kinds = [check_file(p) for p in self.paths]
+        self.total = sum(os.path.getsize(p) for p in self.paths)
+
+    def texts(self, path: str, ext: str, progress) -> Iterator[str]:
+        if ext == ".txt":
+            return txt_texts(path, self.split_by, self.chunk_bytes, progress)
+        records = (
+            parquet_texts(path, self.field, progress)
+            if ext == ".parquet"
+            else jsonl_texts(path, self.field, progress)
+        )
+        return (t for r in records for t in resplit(r, self.split_by, self.chunk_bytes))
+
+    def documents(self) -> Iterator[dict]:
+        """{"text", "origin"} per non-blank document; a file with none is an error."""
+        with bar(desc="download", total=self.total, unit="B") as progress:
+            for path, ext in zip(self.paths, self.kinds, strict=True):
+                found = False
+                for text in self.texts(path, ext, progress):
+                    if text.strip():
+                        found = True
+                        yield {"text": text, "origin": path}
+                if not found:
+                    raise UsageError(
+                        f"{path}: no non-empty document (the file is empty or only whitespace); "
+                        "remove it from download.files.paths"
+                    )
