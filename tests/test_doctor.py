@@ -201,3 +201,25 @@ def test_the_machine_is_asked_once_per_process(monkeypatch):
     assert machine.scheduler_gpus({}) == 4
     assert machine.scheduler_gpus({"CUDA_VISIBLE_DEVICES": "0,2"}) == 2
     assert machine.scheduler_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 0
+
+
+def test_disk_counts_the_checkpoints_the_run_writes():
+    """60 steps with a checkpoint every 1000 write one checkpoint (the final save), not
+    keep_checkpoints + 1; a run that saves often keeps keep + 1 at the peak."""
+    facts = _facts(RTX4090, RTX4090_MEM, p2p=False)
+    params = _params("profiles/rtx4090x3.yaml", max_steps=60, checkpoint_every=1000)
+    plan = checks.plan_for(facts, params, 3)
+    summ = plan["summary"]
+    assert summ["checkpoints"] == 1
+    assert summ["disk_bytes"] == summ["checkpoint_bytes"] + summ["export_bytes"]
+    check = _by_name(checks.diagnose(facts, params, plan))["disk"]
+    assert "1 checkpoint(s)" in check.detail and "all the run saves" in check.detail
+    # 250 steps every 100: saves at 100, 200 and the end, keep 2 + 1 at the peak.
+    params = _params("profiles/rtx4090x3.yaml", max_steps=250, checkpoint_every=100)
+    assert checks.plan_for(facts, params, 3)["summary"]["checkpoints"] == 3
+    params = _params("profiles/rtx4090x3.yaml", max_steps=200, checkpoint_every=100)
+    assert checks.plan_for(facts, params, 3)["summary"]["checkpoints"] == 2
+    # Just enough disk for the one checkpoint and the export: no blocker.
+    facts = _facts(RTX4090, RTX4090_MEM, p2p=False, disk=summ["disk_bytes"] + GB)
+    params = _params("profiles/rtx4090x3.yaml", max_steps=60, checkpoint_every=1000)
+    assert _by_name(checks.diagnose(facts, params))["disk"].status == checks.OK

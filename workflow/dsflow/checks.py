@@ -31,7 +31,12 @@ def plan_for(facts: dict, params: dict, world: int) -> dict:
         {"name": g["name"], "total_memory": int(g["total_memory"])} for g in facts.get("gpus", [])
     ]
     req = request.resolve(
-        params, None, world=world, gpus=gpus, host_mem_bytes=facts.get("host_ram_bytes")
+        params,
+        None,
+        world=world,
+        gpus=gpus,
+        host_mem_bytes=facts.get("host_ram_bytes"),
+        disk_free_bytes=facts.get("disk_free_bytes"),
     )
     return layouts.assess(req)
 
@@ -177,6 +182,14 @@ def _cpu_cores(facts: dict, device: str, world: int) -> Check:
 
 def _gpu_memory(plan: dict) -> list[Check]:
     verdict = plan.get("verdict", {})
+    req = plan.get("request", {})
+    if verdict.get("fits") is False and req.get("gpu_mem_bytes") is not None:
+        # Short of disk only: the disk check says so, with this machine's free space now.
+        fits, reason = layouts.verdict(
+            plan["estimate"], req["gpu_mem_bytes"], req.get("host_mem_bytes")
+        )
+        if fits:
+            return [Check("gpu memory", OK, reason)]
     if verdict.get("fits") is False:
         rec = plan.get("recommendation")
         fix = (
@@ -192,11 +205,14 @@ def _gpu_memory(plan: dict) -> list[Check]:
 
 def _disk(facts: dict, summ: dict) -> Check:
     free = facts.get("disk_free_bytes")
-    need = summ["disk_bytes"]
+    need, n, keep = summ["disk_bytes"], summ["checkpoints"], summ["keep_checkpoints"]
+    size = memory.fmt_gb(summ["checkpoint_bytes"])
+    if n == keep + 1:
+        ckpts = f"{keep} + 1 checkpoint(s) of {size} (the new one is written before old ones are pruned)"
+    else:
+        ckpts = f"{n} checkpoint(s) of {size} (all the run saves: fewer than keep_checkpoints + 1)"
     detail = (
-        f"{memory.fmt_gb(need)} planned: {summ['keep_checkpoints']} + 1 checkpoint(s) of "
-        f"{memory.fmt_gb(summ['checkpoint_bytes'])} (the new one is written before old ones are "
-        f"pruned) + export {memory.fmt_gb(summ['export_bytes'])}"
+        f"{memory.fmt_gb(need)} planned: {ckpts} + export {memory.fmt_gb(summ['export_bytes'])}"
     )
     if free is None:
         return Check("disk", WARN, f"free space unknown; {detail}")
@@ -213,10 +229,7 @@ def _disk(facts: dict, summ: dict) -> Check:
 def _host_ram(facts: dict, est: dict, device: str, world: int) -> Check:
     host = facts.get("host_ram_bytes")
     if device == "cpu":
-        # CPU ranks keep everything in host RAM: model states + activations per rank (or the
-        # fp32 model each rank builds first, whichever is larger).
-        base = est["host"]["per_rank"] - est["host"]["init_per_rank"]
-        need = (max(est["gpu"]["allocated"], est["host"]["init_per_rank"]) + base) * world
+        need = layouts.cpu_host_need(est)
         what = f"{world} CPU rank(s) x (model states + activations)"
     else:
         need = est["host"]["node_total"]
