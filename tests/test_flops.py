@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from dsflow.model.flops import GPU_PEAK_TFLOPS, flops_per_token, gpu_key, mfu, peak_flops
+from dsflow.model.flops import (
+    GPU_PEAK_TFLOPS,
+    flops_per_token,
+    gpu_key,
+    mfu,
+    mfu_peak,
+    peak_flops,
+)
 from dsflow.model.presets import PRESETS, model_config
 
 V = 1000
@@ -122,3 +129,18 @@ def test_mfu():
     c = model_config("tiny", V)
     peak = peak_flops("NVIDIA H200", "bf16")
     assert 0 < mfu(1e6, flops_per_token(c, 128), peak) < 1
+
+
+def test_mfu_is_against_the_datasheet_dense_peak_of_the_precision_in_use():
+    """One H200 run at 40% of 989.5 TFLOP/s reads 40%, not the share of a measured matmul
+    peak; train.peak_tflops overrides and says so; no peak, no MFU."""
+    peak, what = mfu_peak("NVIDIA H200", "bf16")
+    assert peak == pytest.approx(989.5e12)
+    assert what == "H200 SXM datasheet dense bf16 peak 989.5 TFLOP/s"
+    assert mfu_peak("NVIDIA GeForce RTX 4090", "fp16")[0] == pytest.approx(165.2e12)
+    assert mfu_peak("NVIDIA A100-SXM4-80GB", "fp32")[1].endswith("dense fp32 peak 19.5 TFLOP/s")
+    assert mfu(0.4 * 989.5e12 / 6e9, 6e9, peak) == pytest.approx(0.4)
+    peak, what = mfu_peak("NVIDIA H200", "bf16", override_tflops=780)
+    assert peak == pytest.approx(780e12) and what == "train.peak_tflops 780 TFLOP/s"
+    peak, what = mfu_peak("cpu", "bf16")
+    assert peak is None and "no datasheet peak" in what

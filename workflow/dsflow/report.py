@@ -304,6 +304,7 @@ TRAINING_KEYS = (
     "val_loss",
     "tokens_per_s",
     "mfu",
+    "mfu_peak",  # what the MFU is against: the datasheet dense peak or train.peak_tflops
     "step_s",
     "data_wait_frac",
     "peak_memory_gb_per_rank",

@@ -1,4 +1,10 @@
-"""Training FLOPs per token, GPU peak throughput and model FLOPs utilisation (MFU)."""
+"""Training FLOPs per token, GPU peak throughput and model FLOPs utilisation (MFU).
+
+MFU is against the datasheet dense (no 2:4 sparsity) peak of the precision in use, the
+convention of nanoGPT, nanochat, torchtitan and Megatron, unless ``train.peak_tflops`` sets
+another. A run that measures its matmul peak (bench/train_throughput.py) shows MFU against that
+beside it as "of achievable".
+"""
 
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ def flops_per_token(config: Any, seq_len: int) -> int:
     return 6 * activated_matmul_params(config) + attn * int(seq_len)
 
 
-# Dense (no 2:4 sparsity) peak tensor-core TFLOP/s per GPU from the vendor datasheets.
+# Dense (no 2:4 sparsity) peak tensor-core TFLOP/s per GPU from the vendor datasheets, the
+# source named above each row; datasheets that quote the sparse rate are halved.
 # "fp32" is the non-tensor-core FP32 rate: what PyTorch gets for fp32 matmuls by default
 # (torch.backends.cuda.matmul.allow_tf32 is False); "tf32" applies once TF32 is enabled
 # (torch.set_float32_matmul_precision("high")). bf16/fp16 are with FP32 accumulate, which is
@@ -122,6 +129,14 @@ def gpu_key(device_name: str) -> str | None:
     return None
 
 
+def _canonical(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.").lower()
+    canon = _DTYPE_ALIASES.get(name)
+    if canon is None:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPE_ALIASES)}")
+    return canon
+
+
 def peak_flops(device_name: str, dtype: Any, override_tflops: float | None = None) -> float | None:
     """Peak dense FLOP/s of one device for ``dtype`` ("bf16", "fp16", "fp32", "tf32" or a
     torch dtype). ``override_tflops`` (TFLOP/s) wins when given; otherwise None for CPU, an
@@ -133,12 +148,22 @@ def peak_flops(device_name: str, dtype: Any, override_tflops: float | None = Non
     key = gpu_key(device_name)
     if key is None:
         return None
-    name = str(dtype).removeprefix("torch.").lower()
-    canon = _DTYPE_ALIASES.get(name)
-    if canon is None:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPE_ALIASES)}")
-    tflops = GPU_PEAK_TFLOPS[key].get(canon)
+    tflops = GPU_PEAK_TFLOPS[key].get(_canonical(dtype))
     return None if tflops is None else tflops * 1e12
+
+
+def mfu_peak(
+    device_name: str, dtype: Any, override_tflops: float | None = None
+) -> tuple[float | None, str]:
+    """(peak FLOP/s an MFU of this device is against, what that peak is): the datasheet dense
+    peak of ``dtype`` (:data:`GPU_PEAK_TFLOPS`), or ``override_tflops`` (train.peak_tflops)."""
+    peak = peak_flops(device_name, dtype, override_tflops)
+    if override_tflops is not None:
+        return peak, f"train.peak_tflops {override_tflops:g} TFLOP/s"
+    if peak is None:
+        return None, f"no datasheet peak for {device_name!r} in {_canonical(dtype)}"
+    key = gpu_key(device_name)
+    return peak, f"{key} datasheet dense {_canonical(dtype)} peak {peak / 1e12:g} TFLOP/s"
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None) -> float | None:

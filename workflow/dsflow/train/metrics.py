@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dsflow.atomic import atomic_file
-from dsflow.model.flops import flops_per_token, mfu, peak_flops
+from dsflow.model.flops import flops_per_token, mfu, mfu_peak
 from dsflow.paths import CHECKPOINTS, LIVE, TRAIN_METRICS
 from dsflow.progress import bar
 from dsflow.train.checkpoint import STOP_FILE
@@ -230,6 +230,11 @@ def write_metrics(spec, history, counts, val_loss, train_loss, wall_s, hardware)
         return sum(vals) / len(vals) if vals else None
 
     last = history[-1] if history else {}
+    peak, peak_what = mfu_peak(hardware.get("device_name", "cpu"), spec.precision, spec.peak_tflops)
+    if mean("perf/mfu") is not None:
+        print(
+            f"[dsflow train] MFU {100 * mean('perf/mfu'):.1f}% of the {peak_what}", file=sys.stderr
+        )
     metrics = {
         "step": spec.steps,
         "tokens": spec.steps * spec.global_tokens,
@@ -237,6 +242,8 @@ def write_metrics(spec, history, counts, val_loss, train_loss, wall_s, hardware)
         "val_loss": val_loss,
         "tokens_per_s": mean("perf/tokens_per_s"),
         "mfu": mean("perf/mfu"),
+        "mfu_peak_tflops": peak / 1e12 if peak else None,
+        "mfu_peak": peak_what if peak else None,
         "step_s": mean("perf/step_s"),
         "data_wait_frac": mean("perf/data_wait_frac"),
         "peak_memory_gb_per_rank": [m / 1e9 for m in last.get("memory", [])],
@@ -271,7 +278,8 @@ class Meter:
         self.logger = Logger(start, spec.steps, resumed=start > 0) if run.rank == 0 else None
         self.fpt = flops_per_token(run.model.config, spec.seq_len)
         self.device_name = torch.cuda.get_device_name(run.device) if run.cuda else "cpu"
-        self.peak = peak_flops(self.device_name, spec.precision, spec.peak_tflops)
+        # MFU against the datasheet dense peak of the precision in use (train.peak_tflops wins).
+        self.peak, _ = mfu_peak(self.device_name, spec.precision, spec.peak_tflops)
         self.history: list[dict] = []
         self.pending: Readback | None = None
         self.val_loss: float | None = None
