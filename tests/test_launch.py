@@ -49,6 +49,30 @@ def test_one_node_is_localhost_and_ignores_the_environment():
     ]
 
 
+THREAD_VARS = (launch.THREADS_ENV, "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_rank_threads_come_from_params_whatever_the_front_end_sets(monkeypatch, device):
+    # Snakemake leaves its job's cores in OMP_NUM_THREADS, torchrun 1: neither decides.
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.setenv("MKL_NUM_THREADS", "7")
+    train = train_params(threads_per_rank=3)
+    env = launch.launch_env({"device": device, "world": 2, "params": {"train": train}})
+    assert {k: env[k] for k in THREAD_VARS} == dict.fromkeys(THREAD_VARS, "3")
+    assert launch.rank_threads(env) == 3
+
+
+def test_auto_threads_share_the_cores_among_one_node_ranks(monkeypatch):
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "16")
+    auto = {"device": "cpu", "params": {"train": train_params()}}
+    assert launch.launch_env({**auto, "world": 6, "local_ranks": 3})["OMP_NUM_THREADS"] == "5"
+    assert launch.launch_env({**auto, "world": 32})["OMP_NUM_THREADS"] == "1"
+    # A rank whose launcher passed no count on (DeepSpeed's pdsh) takes auto's for its node.
+    assert launch.rank_threads({"LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "16"}) == 4
+
+
 def test_torchrun_nodes_meet_at_a_c10d_rendezvous():
     train = train_params(nodes=2, master_addr="node0", master_port=29500, rdzv_id="run7")
     nodes = launch.resolve_nodes(train, 4, {"NODE_RANK": "1"})

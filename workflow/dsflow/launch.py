@@ -32,6 +32,7 @@ NODE_TASK_ENV = "DSFLOW_NODE_TASK"  # set on the per-node tasks dsflow starts wi
 # Set by the train stage for its ranks (read by dsflow.train.runspec).
 PLAN_SOURCE_ENV = "DSFLOW_PLAN_SOURCE"  # this node wrote checkpoints/run.json
 FINGERPRINT_ENV = "DSFLOW_FINGERPRINT"  # this node's plan, which node 0's must match
+THREADS_ENV = "DSFLOW_THREADS"  # each rank's intra-op and inter-op threads (launch_env)
 LOCALHOST = "127.0.0.1"
 JOIN_TIMEOUT_S = 1800  # how long a node's launcher waits for the others at the rendezvous
 # SLURM variables a nested srun may inherit (the rest describe the parent step, not the job).
@@ -284,6 +285,26 @@ def slurm_env(train: dict, params_json: str, env: Mapping[str, str] = os.environ
     return out
 
 
+def threads_per_rank(train: dict, local_ranks: int) -> int:
+    """train.threads_per_rank; auto: this process's cores shared evenly by the node's ranks
+    (more threads than cores would make every rank slower)."""
+    setting = train.get("threads_per_rank", "auto")
+    if setting != "auto":
+        return setting
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // local_ranks)
+
+
+def rank_threads(env: Mapping[str, str] = os.environ) -> int:
+    """In a rank: the thread count its stage chose (launch_env). DeepSpeed's pdsh launcher
+    passes on only some variables, so a rank it started elsewhere takes auto's count."""
+    value = env.get(THREADS_ENV)
+    return int(value) if value else threads_per_rank({}, int(env.get("LOCAL_WORLD_SIZE", 1)))
+
+
 def launch_env(plan: dict) -> dict:
     env = dict(os.environ)
     local = plan.get("local_ranks", plan["world"])
@@ -291,8 +312,10 @@ def launch_env(plan: dict) -> dict:
     if plan["device"] == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
-        # Ranks share the cores: more threads than cores would make every rank slower.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
+    # Set, not defaulted: front-ends leave their own counts (Snakemake its job's cores, torchrun
+    # 1), and a reduction split over other thread counts sums in another order: another model.
+    threads = str(threads_per_rank(plan["params"]["train"], local))
+    env.update({THREADS_ENV: threads, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 

@@ -23,7 +23,14 @@ rule evaluate:
         "metrics/eval.json",
         directory("reports/eval"),
     params:
-        **P("seed", "evaluate", "train.seq_len", "train.device", "train.gpus"),
+        **P(
+            "seed",
+            "evaluate",
+            "train.seq_len",
+            "train.device",
+            "train.gpus",
+            "train.threads_per_rank",
+        ),
     resources:
         gpus=train_gpus(),
         **cluster_resources(),

@@ -78,6 +78,7 @@ RESUMABLE_KEYS = {
     "master_addr",
     "rdzv_id",
     "hostfile",
+    "threads_per_rank",
     # How the global batch is split over ranks does not change the math (the fingerprint
     # holds the global batch itself): these may change for an elastic resume.
     "gpus",

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dsflow import dsconfig
+from dsflow import dsconfig, launch
 from dsflow.data.shards import BatchLoader, ShardReader
 from dsflow.model.build import save_hf
 from dsflow.model.presets import param_counts
@@ -107,6 +107,10 @@ def train_step(run: engine.Run, loader: BatchLoader, step: int, hooks: Hooks):
 
 def init_distributed() -> torch.device:
     """Join the process group (NCCL on GPUs, Gloo on CPUs); this rank's device."""
+    # First, before any parallel work: the stage's thread count, not the launcher's.
+    threads = launch.rank_threads()
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(threads)
     import deepspeed
 
     device_type = os.environ.get("DSFLOW_DEVICE") or (
