@@ -140,12 +140,67 @@ def test_report_holds_every_section_and_embedded_figures(evaluated, tmp_path):
         "Params",
     ):
         assert f"## {section}" in md
-    assert "entropy floor" in md and "bits/byte above the corpus's true entropy" in md
+    # The floor once, with what it is measured over: the val split's, not the whole corpus's.
+    floor = metrics(repo)["entropy_floor_bpb"]
+    manifest = json.loads((repo / "data/raw/manifest.json").read_text())
+    assert md.count(f"{floor:.4f}") == 1
+    assert (
+        f"entropy floor of {floor:.4f} bits/byte" in md
+        and "the true entropy of the val split" in md
+    )
+    if round(manifest["entropy_bits_per_byte"], 4) != round(floor, 4):
+        assert f"{manifest['entropy_bits_per_byte']:.4f}" not in md
+    # A CPU run measures no MFU: no row for it, and no Python None anywhere.
+    train = json.loads((repo / "metrics/train.json").read_text())
+    assert train["mfu"] is None and "| mfu |" not in md and "None" not in md
+    # Samples as text: each continuation in a code block, never a Python string literal.
+    for s in json.loads((repo / "reports/eval/samples.json").read_text()):
+        for mode in ("greedy", "sampled"):
+            assert f"{mode}:\n\n```text\n{s[mode]}\n```" in md
+            assert repr(s[mode]) not in md
     html = (repo / "reports/report.html").read_text()
     figures = sorted(p.stem for p in (repo / "reports/figures").glob("*.png"))
     assert figures == ["expert_load", "loss", "lr", "memory", "throughput"]
     assert html.count("data:image/png;base64,") == len(figures)
     assert 'src="figures/' not in html  # self-contained
+
+
+def test_report_shows_samples_as_text_whatever_they_hold(tmp_path):
+    from markdown_it import MarkdownIt
+
+    from dsflow.report import samples_section
+
+    text = "line one\nline *two* # not a heading\n```\nend"
+    (tmp_path / "samples.json").write_text(
+        json.dumps([{"prompt": "Say `hi`", "greedy": text, "sampled": ""}])
+    )
+    md = "\n".join(samples_section(tmp_path))
+    assert "\\n" not in md and repr(text) not in md
+    assert f"greedy:\n\n````text\n{text}\n````" in md  # a fence longer than the text's
+    assert "sampled:\n\n(no text)" in md
+    html = MarkdownIt("commonmark").render(md)
+    assert '<pre><code class="language-text">line one\nline *two* # not a heading\n```\nend' in html
+    assert "<strong>Prompt:</strong> <code>Say `hi`</code>" in html
+    assert "<h1>" not in html and "<em>" not in html
+
+
+def test_report_leaves_out_what_was_not_measured():
+    from dsflow.report import evaluation_section, training_section
+
+    train = {"step": 8, "tokens": 4096, "mfu": None, "tokens_per_s": 1234.0}
+    md = "\n".join(training_section(train, []))
+    assert "| tokens_per_s | 1234 |" in md
+    assert "mfu" not in md and "None" not in md
+    evalm = {
+        "bits_per_byte": 0.5638,
+        "entropy_floor_bpb": 0.40561,
+        "gap_bpb": 0.15819,
+        "ratio_to_floor": 1.39,
+        "experts_max_over_mean": None,
+    }
+    md = "\n".join(evaluation_section(evalm))
+    assert md.count("0.4056") == 1 and "0.1582 bits/byte above the entropy floor" in md
+    assert "experts_max_over_mean" not in md and "None" not in md
 
 
 def chromium() -> str:

@@ -292,8 +292,7 @@ def data_section() -> list[str]:
                 f"{docs.get('docs', '-')} / {docs.get('bytes', '-')} / {tokens}",
             ]
         )
-    if "entropy_bits_per_byte" in manifest:
-        rows.append(["entropy floor (bits/byte)", f"{manifest['entropy_bits_per_byte']:.4f}"])
+    # The entropy floor appears once, in the evaluation: the val split's, next to what it bounds.
     return ["## Data", "", md_table(rows, ["", "value"]), ""]
 
 
@@ -315,7 +314,9 @@ TRAINING_KEYS = (
 
 def training_section(train: dict, figure_names: list[str]) -> list[str]:
     parts = ["## Training", ""]
-    parts += [md_table([[k, fmt(train.get(k))] for k in TRAINING_KEYS], ["metric", "value"]), ""]
+    # Unmeasured values (MFU on CPU, where no peak FLOP/s is known) are left out, not "None".
+    rows = [[k, fmt(train[k])] for k in TRAINING_KEYS if train.get(k) is not None]
+    parts += [md_table(rows, ["metric", "value"]), ""]
     predicted = predicted_memory_gb(train)
     if predicted:
         rows = [
@@ -333,28 +334,55 @@ def training_section(train: dict, figure_names: list[str]) -> list[str]:
     return parts
 
 
+# Said in the floor's sentence instead of the table, so the floor appears once.
+FLOOR_KEYS = ("entropy_floor_bpb", "gap_bpb", "ratio_to_floor")
+
+
 def evaluation_section(evalm: dict) -> list[str]:
-    rows = [[k, fmt(v)] for k, v in sorted(evalm.items()) if k != "lm_eval"]
+    rows = [
+        [k, fmt(v)]
+        for k, v in sorted(evalm.items())
+        if k != "lm_eval" and k not in FLOOR_KEYS and v is not None
+    ]
     parts = ["## Evaluation", "", md_table(rows, ["metric", "value"]), ""]
     if "gap_bpb" in evalm:
         parts += [
-            f"The model is {evalm['gap_bpb']:.4f} bits/byte above the corpus's true entropy "
-            f"({evalm['ratio_to_floor']:.2f}x the floor).",
+            f"The model is {evalm['gap_bpb']:.4f} bits/byte above the entropy floor of "
+            f"{evalm['entropy_floor_bpb']:.4f} bits/byte ({evalm['ratio_to_floor']:.2f}x the "
+            "floor): the true entropy of the val split, known exactly from the builtin corpus's "
+            "grammar.",
             "",
         ]
     return parts
 
 
+def longest_backticks(text: str) -> int:
+    return max((len(run) for run in re.findall(r"`+", text)), default=0)
+
+
+def fenced(text: str) -> str:
+    """`text` as a Markdown code block: shown as written (line breaks, `*`, `#`), never as
+    markup; the fence is longer than any run of backticks inside."""
+    fence = "`" * max(3, 1 + longest_backticks(text))
+    return f"{fence}text\n{text}\n{fence}"
+
+
+def inline_code(text: str) -> str:
+    """One line of `text` as Markdown inline code, whatever backticks it holds."""
+    ticks = "`" * (1 + longest_backticks(text))
+    return (
+        f"{ticks} {text} {ticks}"
+        if text.startswith("`") or text.endswith("`")
+        else (f"{ticks}{text}{ticks}")
+    )
+
+
 def samples_section(eval_details: Path) -> list[str]:
     parts = ["## Samples", ""]
     for s in read_json_list(eval_details / "samples.json"):
-        parts += [
-            f"**Prompt:** `{s['prompt']}`",
-            "",
-            f"- greedy: {s['greedy']!r}",
-            f"- sampled: {s['sampled']!r}",
-            "",
-        ]
+        parts += [f"**Prompt:** {inline_code(s['prompt'])}", ""]
+        for mode in ("greedy", "sampled"):
+            parts += [f"{mode}:", "", fenced(s[mode]) if s[mode] else "(no text)", ""]
     return parts
 
 
