@@ -69,11 +69,17 @@ def test_bits_per_byte_counts_every_target_byte(evaluated):
     assert m["perplexity"] == pytest.approx(np.exp(m["val_loss"]))
 
 
-def test_one_and_three_ranks_give_the_same_numbers(evaluated, tmp_path):
-    repo = tmp_path / "three"
+@pytest.fixture(scope="module")
+def three_ranks(evaluated, tmp_path_factory):
+    """`evaluated` evaluated again on 3 ranks; (repo, the stage's stderr)."""
+    repo = tmp_path_factory.mktemp("three") / "repo"
     shutil.copytree(evaluated, repo)
     update_params(repo, {"train": {"gpus": 3}})
-    dsflow("evaluate", cwd=repo, timeout=900)
+    return repo, dsflow("evaluate", cwd=repo, timeout=900).stderr
+
+
+def test_one_and_three_ranks_give_the_same_numbers(evaluated, three_ranks):
+    repo, _ = three_ranks
     one, three = metrics(evaluated), metrics(repo)
     assert three["world_size"] == 3 and one["world_size"] == 1
     for key in ("val_loss", "bits_per_byte", "tokens", "bytes", "experts_max_over_mean"):
@@ -81,6 +87,25 @@ def test_one_and_three_ranks_give_the_same_numbers(evaluated, tmp_path):
     assert (repo / "reports/eval/samples.json").read_bytes() == (
         evaluated / "reports/eval/samples.json"
     ).read_bytes()
+
+
+def test_the_log_holds_every_line_the_stage_and_its_ranks_print(three_ranks):
+    """Rank 0 prints the result and the stage the last line: both whole, in order, in the log."""
+    repo, stderr = three_ranks
+    m = metrics(repo)
+    result = (
+        f"[dsflow evaluate] val loss {m['val_loss']:.4f}, {m['bits_per_byte']:.4f} bits/byte "
+        f"(floor {m['entropy_floor_bpb']:.4f}, gap {m['gap_bpb']:.4f})"
+    )
+    assert result in stderr.splitlines()
+    lines = [
+        line.split(" ", 2)[2] for line in (repo / "logs/evaluate.log").read_text().splitlines()
+    ]
+    assert result in lines
+    assert lines[-1].startswith("[dsflow evaluate] finished, wall_s=")
+    # Every line the terminal got is in the log too, in the same order.
+    printed = [x for x in stderr.splitlines() if x.startswith("[dsflow evaluate]")]
+    assert [x for x in lines if x.startswith("[dsflow evaluate]")] == printed
 
 
 def test_gap_to_the_entropy_floor_shrinks_with_training_and_stays_positive(evaluated, tmp_path):

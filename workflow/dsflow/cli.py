@@ -10,13 +10,14 @@ import importlib
 import json
 import sys
 import time
+import traceback
 
 import yaml
 
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
 from dsflow.launch import log_name
-from dsflow.progress import log, setup_logging
+from dsflow.progress import log, logged_prints, setup_logging, to_log
 
 STAGES = {
     "download": "dsflow.data.download",
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logged = False  # whether this stage's log is set up (it is not while params fail to load)
     try:
         if args.stage == "profile":
             _profile(args)
@@ -76,20 +78,37 @@ def main(argv: list[str] | None = None) -> int:
             setup_logging(log_name(params["train"]))
         else:
             setup_logging(args.stage)
+        logged = True
         start = time.perf_counter()
         module = importlib.import_module(STAGES[args.stage])
-        if args.stage in ("plan", "doctor", "export"):
-            module.run(params, args)
-        else:
-            module.run(params)
+        with logged_prints():
+            if args.stage in ("plan", "doctor", "export"):
+                module.run(params, args)
+            else:
+                module.run(params)
         log.info("finished, wall_s=%.1f", time.perf_counter() - start)
     except UsageError as e:
-        print(f"dsflow {args.stage}: error: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)
+        return _fail(
+            args.stage, logged, f"dsflow {args.stage}: error: {e}", getattr(e, "exit_code", 2)
+        )
     except KeyboardInterrupt:
-        print(f"dsflow {args.stage}: interrupted", file=sys.stderr)
-        return 130
+        return _fail(args.stage, logged, f"dsflow {args.stage}: interrupted", 130)
+    except Exception:  # a bug: its traceback goes to the log too, then it raises as before
+        if logged:
+            to_log(traceback.format_exc())
+        raise
     return 0
+
+
+def _fail(stage: str, logged: bool, line: str, code: int) -> int:
+    """Print a failed stage's one line, and put it in the stage's log (the one Snakemake points
+    the user to); the log is logs/<stage>.log when the params did not load."""
+    print(line, file=sys.stderr)
+    if stage in STAGES:
+        if not logged:
+            setup_logging(stage)
+        to_log(line)
+    return code
 
 
 if __name__ == "__main__":

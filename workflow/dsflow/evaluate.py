@@ -27,7 +27,7 @@ from dsflow.machine import resolve_device
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.loss import to_batch, token_nll
 from dsflow.paths import EVAL_DETAILS, EVAL_METRICS, FINAL, MANIFEST, SHARDS
-from dsflow.progress import bar, log, setup_logging
+from dsflow.progress import bar, child_output, log, setup_logging, whole_lines
 
 WORKER_ENV = "DSFLOW_EVAL_WORKER"
 
@@ -230,12 +230,14 @@ def run(params: dict) -> None:
         WORKER_ENV: device,
         params_mod.CONFIG_ENV: json.dumps(params),
     }
-    code = subprocess.call(torchrun_command(world, str(free_port()), "dsflow.evaluate"), env=env)
+    cmd = torchrun_command(world, str(free_port()), "dsflow.evaluate")
+    with child_output() as out:  # the ranks' lines go to logs/evaluate.log too
+        code = subprocess.call(cmd, env=whole_lines(env), stdout=out, stderr=out)
     if code != 0:
         raise UsageError(f"evaluation failed (launcher exit {code}); see the rank output above")
 
 
 if __name__ == "__main__":
     if os.environ.get("RANK", "0") == "0":
-        setup_logging("evaluate", append=True)
+        setup_logging("evaluate", to_file=False)  # the stage puts rank 0's stderr in the log
     evaluate_rank(params_mod.load(), os.environ[WORKER_ENV])

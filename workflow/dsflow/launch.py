@@ -391,10 +391,13 @@ def wait(proc: subprocess.Popen) -> int:
         raise
 
 
-def run_launcher(cmd: list[str], env: dict, stop_file: Path, lock: Any = None) -> tuple[int, list]:
+def run_launcher(
+    cmd: list[str], env: dict, stop_file: Path, lock: Any = None, output: int | None = None
+) -> tuple[int, list]:
     """Start the launcher `cmd` and wait for it, forwarding SIGTERM / SIGINT (SignalForwarder);
     (its exit code, the signals this process received). `lock` (checkpoints/.lock, held by node
-    0) is handed to the launcher, which holds it until its ranks are gone."""
+    0) is handed to the launcher, which holds it until its ranks are gone. `output`: where the
+    launcher and its ranks print (progress.child_output), else this process's stdout and stderr."""
     with SignalForwarder(stop_file) as forwarder:
         # A new process group: a terminal's Ctrl-C reaches this process only, which turns it into
         # a checkpoint-and-stop request instead of the launcher's 30 s kill timer.
@@ -404,6 +407,8 @@ def run_launcher(cmd: list[str], env: dict, stop_file: Path, lock: Any = None) -
             start_new_session=True,
             preexec_fn=die_with_parent(),
             pass_fds=(lock.fd,) if lock else (),
+            stdout=output,
+            stderr=output,
         )
         forwarder.proc = proc
         if lock:

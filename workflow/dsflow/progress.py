@@ -1,10 +1,22 @@
-"""Progress bars and stage logging shared by every stage."""
+"""Progress bars and stage logging shared by every stage.
+
+A stage's log, logs/<stage>.log, holds every line the stage and its ranks print, in order: the
+stage's own messages through its logger, the ranks' output through a pump (child_output) that
+copies it to the terminal and appends it to the log line by line. Every writer appends (O_APPEND)
+whole lines, so none overwrites another's.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
+import signal
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -12,6 +24,9 @@ from tqdm import tqdm
 from dsflow.paths import LOGS
 
 log = logging.getLogger("dsflow")
+# How long a stage waits for the pump to write the ranks' last lines once they are gone (only a
+# process they left behind, still holding the pipe, makes it wait that long).
+PUMP_DRAIN_S = 30
 
 
 def bar(
@@ -33,8 +48,10 @@ def bar(
     )
 
 
-def setup_logging(stage: str, log_dir: str | Path = LOGS, append: bool = False) -> None:
-    """Messages go to stderr and to logs/<stage>.log (the log file Snakemake declares)."""
+def setup_logging(stage: str, log_dir: str | Path = LOGS, to_file: bool = True) -> None:
+    """Messages go to stderr and, with `to_file`, to logs/<stage>.log (the log file Snakemake
+    declares), emptied first. A stage's ranks log with `to_file=False`: their stderr reaches the
+    log through the stage (child_output)."""
     if os.environ.get("DSFLOW_PROGRESS", "1") == "0":
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -44,8 +61,152 @@ def setup_logging(stage: str, log_dir: str | Path = LOGS, append: bool = False) 
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter(f"[dsflow {stage}] %(message)s"))
     log.addHandler(console)
-    log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    file_handler = logging.FileHandler(log_dir / f"{stage}.log", mode="a" if append else "w")
-    file_handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    if not to_file:
+        return
+    path = Path(log_dir) / f"{stage}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    # Appending, not "w": a "w" handle writes at its own offset, over the lines others appended.
+    file_handler = logging.FileHandler(path, mode="a")
+    file_handler.setFormatter(logging.Formatter(f"%(asctime)s [dsflow {stage}] %(message)s"))
     log.addHandler(file_handler)
+
+
+def log_file() -> Path | None:
+    """The log the stage's messages go to (None: stderr only)."""
+    for handler in log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            return Path(handler.baseFilename)
+    return None
+
+
+def to_log(text: str) -> None:
+    """Append `text` to the stage's log only: for what the stage already printed itself (its
+    one-line error, a traceback)."""
+    path = log_file()
+    if path is None:
+        return
+    for handler in log.handlers:
+        handler.flush()
+    lines = text.rstrip("\n").split("\n")
+    with path.open("a") as f:
+        f.write("".join(f"{stamp()} {line}\n" for line in lines))
+
+
+class LoggedStream(io.TextIOBase):
+    """A stage's own stdout or stderr: what it prints goes on to `stream` and, line by line, into
+    the stage's log (its logger's lines reach the log on their own, not through this)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            to_log(shown(line.encode()).decode())
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close_line(self) -> None:
+        """Log a last line printed without its newline."""
+        if self.pending:
+            to_log(shown(self.pending.encode()).decode())
+            self.pending = ""
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # tqdm draws its unicode bars only on a stream that names one
+        return getattr(self.stream, "encoding", None) or "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def logged_prints() -> Iterator[None]:
+    """While the stage runs, what it prints itself (a plan's table, a warning) is in its log."""
+    out, err = LoggedStream(sys.stdout), LoggedStream(sys.stderr)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield
+    finally:
+        out.close_line()
+        err.close_line()
+
+
+def stamp(now: float | None = None) -> str:
+    """The time as logging's asctime writes it (2024-01-31 12:00:00,123)."""
+    now = time.time() if now is None else now
+    return (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now * 1000) % 1000:03d}"
+    )
+
+
+def shown(line: bytes) -> bytes:
+    """What a terminal shows of one output line: a progress bar's last redraw, not all of them."""
+    return line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
+
+
+def pump(log_path: str, source: int = 0, terminal: int = 1) -> None:
+    """Copy file descriptor `source` to `terminal` as it comes (progress bars stay live) and
+    append each whole line to `log_path`. Signals are ignored: when the stage is interrupted or
+    killed, its ranks still checkpoint and print, and their last lines still reach the log."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    out = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    pending = b""
+    while chunk := os.read(source, 1 << 16):
+        with contextlib.suppress(OSError):  # the terminal went away: keep logging
+            os.write(terminal, chunk)
+        *lines, pending = (pending + chunk).split(b"\n")
+        if lines:
+            os.write(out, b"".join(f"{stamp()} ".encode() + shown(x) + b"\n" for x in lines))
+    if pending:
+        os.write(out, f"{stamp()} ".encode() + shown(pending) + b"\n")
+    os.close(out)
+
+
+def _stderr_fd() -> int:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        return 2
+
+
+def whole_lines(env: dict) -> dict:
+    """`env` for processes that share one child_output pipe: without PYTHONUNBUFFERED, under
+    which print() writes its text and its newline apart, so two ranks' lines could interleave
+    mid-line (Python's stderr is line-buffered anyway: each line still leaves at once)."""
+    return {k: v for k, v in env.items() if k != "PYTHONUNBUFFERED"}
+
+
+@contextlib.contextmanager
+def child_output() -> Iterator[int | None]:
+    """A file descriptor for the stdout and stderr of the processes a stage starts (launcher,
+    ranks): what they print reaches this stage's stderr and its log, whole lines in order. None
+    when the stage has no log (the children then share this process's stdout and stderr)."""
+    path = log_file()
+    if path is None:
+        yield None
+        return
+    for handler in log.handlers:
+        handler.flush()
+    read, write = os.pipe()
+    code = f"from dsflow.progress import pump; pump({str(path)!r})"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=read, stdout=_stderr_fd())
+    os.close(read)
+    try:
+        yield write
+    finally:
+        os.close(write)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=PUMP_DRAIN_S)

@@ -37,7 +37,7 @@ from dsflow.model import fastpaths, presets
 from dsflow.model.build import load_checkpoint_config
 from dsflow.paths import CHECKPOINTS, SHARDS
 from dsflow.plan import layouts, memory, request
-from dsflow.progress import log
+from dsflow.progress import child_output, log, whole_lines
 from dsflow.train import checkpoint as ckpt
 
 # What each rank runs (torchrun -m / the DeepSpeed launcher --module).
@@ -442,7 +442,9 @@ def _run_locked(plan: dict, nccl: dict, nodes: launch.Nodes, lock: ckpt.RunLock 
         env[launch.FINGERPRINT_ENV] = plan["fingerprint"]
     try:
         cmd = launch_command(plan, nodes)
-        code, received = launch.run_launcher(cmd, env, root / ckpt.STOP_FILE, lock)
+        with child_output() as out:  # what the ranks print goes to the stage's log too
+            ranks_env = whole_lines(env)
+            code, received = launch.run_launcher(cmd, ranks_env, root / ckpt.STOP_FILE, lock, out)
         status = status_file.read_text().strip() if status_file.exists() else ""
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)

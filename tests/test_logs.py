@@ -1,0 +1,104 @@
+"""What a stage's log holds: its one-line error when refused, and every line its ranks print, whole
+and in order."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import dsflow, update_params
+from dsflow import progress
+
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
+
+
+def log_lines(path) -> list[str]:
+    """The log's lines without their timestamps (every line must have one)."""
+    lines = path.read_text().splitlines()
+    assert all(re.match(STAMP, line) for line in lines), lines
+    return [re.sub("^" + STAMP, "", line) for line in lines]
+
+
+@pytest.mark.parametrize("stage", ["plan", "train", "evaluate", "report"])
+def test_a_refused_stage_leaves_its_error_line_in_its_log(project, stage):
+    log = project / "logs" / f"{stage}.log"
+    log.parent.mkdir(exist_ok=True)
+    log.write_text("a line of an earlier run\n")
+    # plan and train: a batch that does not add up; evaluate: no model; report: no metrics.
+    update_params(project, {"train": {"micro_batch": 16, "grad_accum": 4, "global_batch": 64}})
+    proc = dsflow(stage, cwd=project, check=False)
+    error = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and error.startswith(f"dsflow {stage}: error: ")
+    assert log_lines(log) == [error]
+
+
+def test_params_that_do_not_load_are_logged_in_the_stages_log(project):
+    update_params(project, {"tokenizer": {"vocab_size": "big"}})
+    proc = dsflow("train", cwd=project, check=False)
+    assert proc.returncode == 2
+    assert log_lines(project / "logs/train.log") == [
+        'dsflow train: error: params.yaml: tokenizer.vocab_size: "big" is not allowed '
+        "(allowed: integer >= 1 and <= 4294967295)"
+    ]
+    # Not a stage: no log of its own.
+    proc = dsflow("validate", cwd=project, check=False)
+    assert proc.returncode == 2 and not (project / "logs/validate.log").exists()
+
+
+def test_what_a_stage_prints_itself_is_in_its_log(project):
+    proc = dsflow("plan", cwd=project)
+    table = proc.stdout.strip().splitlines()
+    assert any(line.startswith("verdict: ") for line in table)
+    lines = log_lines(project / "logs/plan.log")
+    assert lines[: len(table)] == table
+    assert lines[-1].startswith("[dsflow plan] finished, wall_s=")
+
+
+RANK = r"""
+import sys
+rank = int(sys.argv[1])
+if rank == 0:
+    print("rank 0 on stdout", flush=True)
+    sys.stderr.write("evaluate: 10%\revaluate: 50%\revaluate: 100%\r\n")
+for i in range(200):
+    print(f"[dsflow evaluate] rank {rank} line {i} " + "x" * 300, file=sys.stderr)
+"""
+
+
+def test_child_output_puts_every_line_in_the_log_whole_and_in_order(tmp_path, capfd):
+    progress.setup_logging("evaluate", log_dir=tmp_path)
+    progress.log.info("before the ranks")
+    with progress.child_output() as out:
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, str(r)],
+                stdout=out,
+                stderr=out,
+                env=progress.whole_lines({**os.environ, "PYTHONUNBUFFERED": "1"}),
+            )
+            for r in range(3)
+        ]
+        assert [r.wait() for r in ranks] == [0, 0, 0]
+    progress.log.info("finished, wall_s=1.0")
+    lines = log_lines(tmp_path / "evaluate.log")
+    assert lines[0] == "[dsflow evaluate] before the ranks"
+    assert lines[-1] == "[dsflow evaluate] finished, wall_s=1.0"
+    middle = lines[1:-1]
+    assert middle.index("rank 0 on stdout") < middle.index("evaluate: 100%")  # the bar's last state
+    for r in range(3):  # each rank's lines whole and in its order, whatever the interleaving
+        mine = [x for x in middle if x.startswith(f"[dsflow evaluate] rank {r} ")]
+        assert mine == [f"[dsflow evaluate] rank {r} line {i} " + "x" * 300 for i in range(200)]
+    assert len(middle) == 2 + 3 * 200
+    terminal = capfd.readouterr().err  # the terminal gets the output as it came, bars and all
+    assert "evaluate: 10%\revaluate: 50%" in terminal and "rank 2 line 199 " in terminal
+
+
+def test_without_a_log_children_print_where_the_stage_prints(tmp_path):
+    progress.setup_logging("evaluate", log_dir=tmp_path, to_file=False)
+    with progress.child_output() as out:
+        assert out is None
+    assert not (tmp_path / "evaluate.log").exists()
