@@ -1,5 +1,5 @@
 """What a stage's log holds: its one-line error when refused, and every line its ranks print, whole
-and in order."""
+and in order; and the line the train stage says before DeepSpeed builds its CPU op."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from conftest import dsflow, update_params
 from dsflow import progress
+from dsflow.train import cpuop
 
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
 
@@ -102,3 +103,53 @@ def test_without_a_log_children_print_where_the_stage_prints(tmp_path):
     with progress.child_output() as out:
         assert out is None
     assert not (tmp_path / "evaluate.log").exists()
+
+
+def fake_built_op(root):
+    built = root / cpuop.NAME / f"{cpuop.NAME}.so"
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"\x7fELF")
+    return built
+
+
+def test_the_cpu_op_is_missing_until_its_library_is_in_torchs_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpuop, "prebuilt", lambda: False)
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    assert cpuop.needs_build(env)
+    (tmp_path / cpuop.NAME).mkdir()  # a build that never finished leaves the folder only
+    assert cpuop.needs_build(env)
+    built = tmp_path / cpuop.NAME / f"{cpuop.NAME}.so"
+    built.write_bytes(b"\x7fELF")
+    assert not cpuop.needs_build(env) and cpuop.built_path(env) == built
+    # Without TORCH_EXTENSIONS_DIR: torch's default, ~/.cache/torch_extensions/py<ver>_<accel>.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    version = f"py{sys.version_info.major}{sys.version_info.minor}"
+    root = cpuop.extensions_root({})
+    assert root.parent == tmp_path / "cache" / "torch_extensions"
+    assert root.name.startswith(version + "_")
+    assert cpuop.needs_build({})
+    fake_built_op(root)
+    assert not cpuop.needs_build({})
+
+
+def test_the_cpu_op_build_is_announced_only_when_it_happens(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cpuop, "prebuilt", lambda: False)
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    # Stands in for DeepSpeed's build: writes the library where torch's build would.
+    fake = f"import pathlib; p = pathlib.Path({str(tmp_path)!r}, {cpuop.NAME!r}); "
+    fake += f"p.mkdir(); (p / '{cpuop.NAME}.so').write_bytes(b'')"
+    monkeypatch.setattr(cpuop, "BUILD", [sys.executable, "-c", fake])
+    progress.setup_logging("train", log_dir=tmp_path / "logs")
+    cpuop.build(env)
+    lines = log_lines(tmp_path / "logs/train.log")
+    assert lines[0] == "[dsflow train] building DeepSpeed's CPU op: first run only, about 2 minutes"
+    assert re.fullmatch(
+        rf"\[dsflow train\] built DeepSpeed's CPU op in \d+ s \(cached in {tmp_path}/{cpuop.NAME}\)",
+        lines[1],
+    )
+    assert len(lines) == 2
+    cpuop.build(env)  # built now: not a word, and no build
+    assert len(log_lines(tmp_path / "logs/train.log")) == 2
+    monkeypatch.setattr(cpuop, "BUILD", [sys.executable, "-c", "raise SystemExit(1)"])
+    with pytest.raises(cpuop.UsageError, match="did not build .*C\\+\\+ compiler and ninja"):
+        cpuop.build({"TORCH_EXTENSIONS_DIR": str(tmp_path / "empty")})

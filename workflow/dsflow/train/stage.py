@@ -39,6 +39,7 @@ from dsflow.paths import CHECKPOINTS, SHARDS
 from dsflow.plan import layouts, memory, request
 from dsflow.progress import child_output, log, whole_lines
 from dsflow.train import checkpoint as ckpt
+from dsflow.train import cpuop
 
 # What each rank runs (torchrun -m / the DeepSpeed launcher --module).
 RANK_MODULE = "dsflow.train.loop"
@@ -443,6 +444,8 @@ def _run_locked(plan: dict, nccl: dict, nodes: launch.Nodes, lock: ckpt.RunLock 
     try:
         cmd = launch_command(plan, nodes)
         with child_output() as out:  # what the ranks print goes to the stage's log too
+            if plan["device"] == "cpu":
+                cpuop.build(env, out)
             ranks_env = whole_lines(env)
             code, received = launch.run_launcher(cmd, ranks_env, root / ckpt.STOP_FILE, lock, out)
         status = status_file.read_text().strip() if status_file.exists() else ""
