@@ -60,9 +60,12 @@ def tiny_run(gpus: int, steps: int, **train) -> dict:
 # Where the tree is no git checkout (the GPU host gets a bare copy of it): what is not the
 # project's. At the top: outputs, data, carried wheels, environments (as .gitignore says, and
 # what is carried to the GPU host); anywhere: caches.
-NOT_PROJECT_TOP = {".git", ".whl", ".venv", "shared", "bench-out", ".dvc", ".snakemake"}
+NOT_PROJECT_TOP = {".git", ".whl", ".venv", "shared", "bench-out", ".snakemake"}
 NOT_PROJECT_TOP |= {"checkpoints", "models", "reports", "logs", "runs", "dvclive", "metrics"}
 NOT_PROJECT_ANY = {"__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", ".hypothesis"}
+# Top folders of which only these files are the project's: the rest are stage outputs, and DVC's
+# cache and temporary files.
+ONLY_AT_TOP = {"data": (".gitignore",), ".dvc": ("config", ".gitignore")}
 
 
 def _walk_project(path: Path, rel: Path = Path()) -> list[str]:
@@ -77,8 +80,8 @@ def _walk_project(path: Path, rel: Path = Path()) -> list[str]:
         ):
             continue
         if child.is_dir() and not child.is_symlink():
-            if top and name == "data":  # stage outputs; only its .gitignore is the project's
-                files += [str(sub / ".gitignore")] if (child / ".gitignore").is_file() else []
+            if top and name in ONLY_AT_TOP:
+                files += [str(sub / f) for f in ONLY_AT_TOP[name] if (child / f).is_file()]
                 continue
             files += _walk_project(child, sub)
         elif child.is_file():

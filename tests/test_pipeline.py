@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import SMALL_PARAMS, copy_project, run, update_params
 
@@ -15,16 +18,36 @@ pytestmark = pytest.mark.slow
 DATA_STAGES = ("download", "tokenizer", "tokenize", "shard")
 
 
-def git_dvc_repo(path):
-    repo = copy_project(path)
-    update_params(repo, SMALL_PARAMS)
-    run(["git", "init", "-q"], cwd=repo)
-    run(["git", "config", "user.email", "ci@dsflow"], cwd=repo)
-    run(["git", "config", "user.name", "ci"], cwd=repo)
-    run(["dvc", "init", "-q"], cwd=repo)
+def commit_all(repo: Path, message: str) -> None:
     run(["git", "add", "-A"], cwd=repo)
-    run(["git", "commit", "-qm", "init"], cwd=repo)
-    return repo
+    run(["git", "commit", "-qm", message], cwd=repo)
+
+
+def git_repo(path: Path) -> Path:
+    """`path` as a git repository with everything in it committed."""
+    run(["git", "init", "-q"], cwd=path)
+    run(["git", "config", "user.email", "ci@dsflow"], cwd=path)
+    run(["git", "config", "user.name", "ci"], cwd=path)
+    commit_all(path, "init")
+    return path
+
+
+def git_dvc_repo(path: Path) -> Path:
+    """What `git clone` gives a user (with small data params): a DVC project as it is, with no
+    `dvc init`."""
+    origin = copy_project(path.with_name(f"{path.name}-origin"))
+    update_params(origin, SMALL_PARAMS)
+    git_repo(origin)
+    run(["git", "clone", "-q", str(origin), str(path)], cwd=origin.parent)
+    run(["git", "config", "user.email", "ci@dsflow"], cwd=path)
+    run(["git", "config", "user.name", "ci"], cwd=path)
+    return path
+
+
+def git_changes(repo: Path) -> set[str]:
+    """The paths `git status` shows as changed or new."""
+    out = run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo).stdout
+    return {line[3:] for line in out.splitlines()}
 
 
 def snakemake_jobs(repo, *args) -> set[str]:
@@ -43,6 +66,8 @@ def test_dvc_repro_then_snakemake_and_dvc_are_up_to_date(tmp_path):
     repo = git_dvc_repo(tmp_path / "repo")
     first = run(["dvc", "repro", "shard"], cwd=repo)
     assert dvc_ran(first.stdout) == set(DATA_STAGES)
+    # DVC's own files (.dvc/tmp, .dvc/cache) and the stage outputs stay out of git's way.
+    assert git_changes(repo) == {"dvc.lock"}
     digests = {p.name: p.read_bytes() for p in (repo / "data/shards/train").iterdir()}
 
     assert snakemake_jobs(repo, "shard") == set()
@@ -108,6 +133,40 @@ TINY_TRAIN = {
 }
 
 
+def exp_show(repo: Path, *args: str) -> tuple[list[str], str]:
+    """`dvc exp show` with `args`: its table's column names, and its output."""
+    out = run(["dvc", "exp", "show", *args], cwd=repo).stdout
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["Experiment"])
+    return header.split(), out
+
+
+def check_exp_show(repo: Path) -> None:
+    """The commands docs/evaluation.md gives for `dvc exp show`, after two runs that differ in
+    train.optimizer.lr: each prints that change, and no column that did not change."""
+    sections = set(yaml.safe_load((repo / "params.yaml").read_text()))  # seed, train, ...
+    # Every column, as CSV: the plain table has too many to print them all.
+    every = run(["dvc", "exp", "show", "-n", "2", "--csv"], cwd=repo).stdout.splitlines()[0]
+    every = every.split(",")
+    changed, _ = exp_show(repo, "-n", "2", "--only-changed")
+    assert "train.optimizer.lr" in changed and "models/final" in changed
+    unchanged = {"train.optimizer.betas", "seed", "model.preset"}
+    assert unchanged <= set(every) and not unchanged & set(changed)
+    no_deps, _ = exp_show(repo, "-n", "2", "--only-changed", "--drop", ".*/[^:]*$")
+    params = [c for c in no_deps if c.split(".")[0] in sections]
+    assert params == ["train.optimizer.lr"]
+    assert "bits_per_byte" in no_deps and not [c for c in no_deps if "/" in c and ":" not in c]
+    keep = "Experiment|train\\.optimizer\\.lr|.*val_loss|bits_per_byte"
+    kept, out = exp_show(repo, "-n", "2", "--drop", ".*", "--keep", keep)
+    assert kept == [
+        "Experiment",
+        "metrics/train.json:val_loss",
+        "bits_per_byte",
+        "metrics/eval.json:val_loss",
+        "train.optimizer.lr",
+    ]
+    assert "0.001" in out and "0.003" in out
+
+
 def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
     repo = git_dvc_repo(tmp_path / "dvc")
     update_params(repo, TINY_TRAIN)
@@ -122,13 +181,12 @@ def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
     assert dvc_ran(out.stdout) == {"evaluate", "report"}
     shown = run(["dvc", "metrics", "show"], cwd=repo).stdout
     assert "metrics/train.json" in shown and "bits_per_byte" in shown
-    run(["git", "add", "-A"], cwd=repo)
-    run(["git", "commit", "-qm", "run 1"], cwd=repo)
+    commit_all(repo, "run 1")
     update_params(repo, {"train": {"optimizer": {"lr": 0.001}}})
     out = run(["dvc", "repro"], cwd=repo)
     assert dvc_ran(out.stdout) == {"plan", "train", "evaluate", "report"}
-    run(["git", "add", "-A"], cwd=repo)
-    run(["git", "commit", "-qm", "run 2"], cwd=repo)
+    commit_all(repo, "run 2")
+    check_exp_show(repo)
     diff = run(["dvc", "metrics", "diff", "HEAD~1", "HEAD"], cwd=repo).stdout
     for metric in ("val_loss", "bits_per_byte", "perplexity", "tokens_per_s"):
         assert metric in diff
@@ -146,3 +204,32 @@ def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
     assert (snake / "models/final/model.safetensors").exists()
     assert (snake / "logs/train.log").exists()
     assert snakemake_jobs(snake, "train") == set()
+
+
+def test_both_front_ends_train_the_same_model(prepared, tmp_path):
+    # Snakemake sets OMP_NUM_THREADS to its job's cores, DVC leaves the user's environment (here
+    # without it): the ranks' thread counts are dsflow's either way (train.threads_per_rank).
+    unset = ["env", "-u", "OMP_NUM_THREADS", "-u", "MKL_NUM_THREADS"]
+    models = {}
+    for tool in ("snakemake", "dvc"):
+        repo = tmp_path / tool
+        shutil.copytree(prepared, repo)  # the data stages' outputs, mtimes kept
+        update_params(repo, TINY_TRAIN)
+        if tool == "snakemake":
+            assert snakemake_jobs(repo, "train") == {"plan", "train"}
+            run(["snakemake", "--cores", "all", "train"], cwd=repo)
+        else:
+            git_repo(repo)
+            run(["dvc", "commit", "--force", "--with-deps", "shard"], cwd=repo)  # data stages: done
+            out = run([*unset, "dvc", "repro", "train"], cwd=repo)
+            assert dvc_ran(out.stdout) == {"plan", "train"}
+        # Snakemake marks a finished folder output with its own .snakemake_timestamp.
+        final = (repo / "models/final").iterdir()
+        models[tool] = {p.name: p.read_bytes() for p in final if p.name != ".snakemake_timestamp"}
+        loss = json.loads((repo / "metrics/train.json").read_text())["val_loss"]
+        print(
+            f"{tool}: val_loss {loss!r}, model.safetensors sha256 "
+            f"{hashlib.sha256(models[tool]['model.safetensors']).hexdigest()}"
+        )
+    assert "model.safetensors" in models["dvc"]
+    assert models["snakemake"] == models["dvc"]

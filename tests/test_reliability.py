@@ -685,7 +685,7 @@ def second_concurrent_run(project, cmd: list[str], setup: list[str] | None = Non
 
 def test_dvc_refuses_a_second_concurrent_repro(project):
     out = second_concurrent_run(
-        project, ["dvc", "repro", "download"], setup=["dvc", "init", "--no-scm", "-q"]
+        project, ["dvc", "repro", "download"], setup=["dvc", "config", "core.no_scm", "true"]
     )
     # DVC's repo lock, or its per-output read/write lock, whichever it meets first.
     assert "Unable to acquire lock" in out or ("is busy" in out and "rwlock" in out), out
