@@ -327,6 +327,37 @@ def _disk(args: Any, given: int | None) -> tuple[int | None, str]:
     return free // memory.GB * memory.GB, "this machine"
 
 
+def _resources(
+    train: dict, args: Any, gpus: list[dict], world: int, given: tuple
+) -> dict[str, Any]:
+    """The machine's fields of a Request: device, GPU memory, host RAM and free disk, each with
+    where it came from. ``given`` = (GPU memory, host RAM, free disk) bytes or None each."""
+    gpu_mem_bytes, host_mem_bytes, disk_free_bytes = given
+    device = _device(train, args, gpus, gpu_mem_bytes)
+    gpu_mem, gpu_source = (
+        (None, "CPU ranks") if device == "cpu" else _gpu_memory(args, gpus, world, gpu_mem_bytes)
+    )
+    host_mem, host_source = _host_memory(args, host_mem_bytes, gpu_source, device)
+    disk, disk_source = _disk(args, disk_free_bytes)
+    return {
+        "device": device,
+        "gpu_mem_bytes": gpu_mem,
+        "gpu_mem_source": gpu_source,
+        "host_mem_bytes": host_mem,
+        "host_mem_source": host_source,
+        "disk_free_bytes": disk,
+        "disk_source": disk_source,
+    }
+
+
+def _checkpoints(train: dict, batch: dsconfig.Batch) -> dict[str, int]:
+    """keep_checkpoints, and how many checkpoints exist at once at the peak of this run."""
+    keep = int(train.get("keep_checkpoints", 2))
+    steps = dsconfig.total_steps(train, batch)
+    every = int(train["checkpoint_every"])
+    return {"keep_checkpoints": keep, "checkpoints": memory.checkpoints_on_disk(keep, steps, every)}
+
+
 def resolve(
     params: dict,
     args: Any = None,
@@ -357,7 +388,8 @@ def resolve(
     - checkpoints on disk: keep + 1 at most, never more than the run saves.
 
     ``gpus`` (the visible GPUs as :func:`dsflow.machine.gpus` returns them),
-    ``host_mem_bytes`` and ``disk_free_bytes`` replace what this machine reports (the pre-launch checks pass theirs).
+    ``host_mem_bytes`` and ``disk_free_bytes`` replace what this machine reports (the
+    pre-launch checks pass theirs).
     """
     train = params["train"]
     notes: list[str] = []
@@ -367,17 +399,10 @@ def resolve(
     world = _world(train, args, world, gpus)
     config, vocab_source = _config(params, args, model, notes)
     micro, accum = _batch(train, args, world)
-    device = _device(train, args, gpus, gpu_mem_bytes)
-    zero, offload_opt, offload_par = _layout(train, args, world, device, notes)
+    where = _resources(train, args, gpus, world, (gpu_mem_bytes, host_mem_bytes, disk_free_bytes))
+    zero, offload_opt, offload_par = _layout(train, args, world, where["device"], notes)
     zcfg = train.get("zero", {})
-    gpu_mem, gpu_source = (
-        (None, "CPU ranks") if device == "cpu" else (_gpu_memory(args, gpus, world, gpu_mem_bytes))
-    )
-    host_mem, host_source = _host_memory(args, host_mem_bytes, gpu_source, device)
-    disk, disk_source = _disk(args, disk_free_bytes)
     offload_device, nvme_path = _offload_device(train, args)
-    steps = dsconfig.total_steps(train, dsconfig.Batch(micro, accum, world))
-    keep = int(train.get("keep_checkpoints", 2))
     return Request(
         config=config,
         preset=model[0],
@@ -405,15 +430,8 @@ def resolve(
         seq_aux=float(train.get("balance", {}).get("seq_aux_alpha", 0.0)) > 0,
         fused_optimizer=fused_optimizer_wanted(train, world),
         offload_device=offload_device,
-        keep_checkpoints=keep,
-        checkpoints=memory.checkpoints_on_disk(keep, steps, int(train["checkpoint_every"])),
-        device=device,
-        gpu_mem_bytes=gpu_mem,
-        gpu_mem_source=gpu_source,
-        host_mem_bytes=host_mem,
-        host_mem_source=host_source,
-        disk_free_bytes=disk,
-        disk_source=disk_source,
+        **_checkpoints(train, dsconfig.Batch(micro, accum, world)),
+        **where,
         nvme_path=nvme_path,
         notes=notes,
     )
