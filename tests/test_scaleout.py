@@ -397,7 +397,7 @@ def test_auto_keeps_the_layout_this_run_was_saved_in(prepared, tmp_path, monkeyp
     train.run(auto)
     assert launched[-1]["ds_config"]["zero_optimization"]["stage"] == 2
     # This run saved at ZeRO-1 (e.g. on one GPU): kept.
-    saved = train.plan_run(params_mod.deep_merge(auto, {"train": {"zero_stage": 1}}))
+    saved = train.resolve_run(params_mod.deep_merge(auto, {"train": {"zero_stage": 1}}))
     ckpt.CHECKPOINTS.mkdir(exist_ok=True)
     (ckpt.CHECKPOINTS / "run.json").write_text(json.dumps(saved))
     train.run(auto)

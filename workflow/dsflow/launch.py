@@ -4,7 +4,7 @@ World size = train.nodes x ranks per node (train.gpus). The launch engines are t
 
 - torchrun, one launcher per node, meeting at a c10d rendezvous (`train.master_addr:master_port`,
   id `train.rdzv_id`). Every node runs the train stage; node 0 (`train.node_rank`, $NODE_RANK or
-  $SLURM_NODEID) prepares checkpoints/ and run.json and hands the plan to every rank over the
+  $SLURM_NODEID) prepares checkpoints/ and run.json and hands the run spec to every rank over the
   rendezvous; the other nodes only launch their ranks (see dsflow.train.stage).
 - DeepSpeed's launcher with a hostfile: only node 0 runs the stage, pdsh/ssh start the others.
 - SLURM: started once in an allocation of train.nodes nodes (sbatch, or Snakemake's SLURM
@@ -31,7 +31,7 @@ from dsflow.errors import UsageError
 NODE_TASK_ENV = "DSFLOW_NODE_TASK"  # set on the per-node tasks dsflow starts with srun
 # Set by the train stage for its ranks (read by dsflow.train.runspec).
 PLAN_SOURCE_ENV = "DSFLOW_PLAN_SOURCE"  # this node wrote checkpoints/run.json
-FINGERPRINT_ENV = "DSFLOW_FINGERPRINT"  # this node's plan, which node 0's must match
+FINGERPRINT_ENV = "DSFLOW_FINGERPRINT"  # this node's run spec, which node 0's must match
 THREADS_ENV = "DSFLOW_THREADS"  # each rank's intra-op and inter-op threads (launch_env)
 LOCALHOST = "127.0.0.1"
 JOIN_TIMEOUT_S = 1800  # how long a node's launcher waits for the others at the rendezvous
@@ -305,16 +305,17 @@ def rank_threads(env: Mapping[str, str] = os.environ) -> int:
     return int(value) if value else threads_per_rank({}, int(env.get("LOCAL_WORLD_SIZE", 1)))
 
 
-def launch_env(plan: dict) -> dict:
+def launch_env(spec: dict) -> dict:
+    """The ranks' environment for run spec `spec` (device, world, local_ranks, params)."""
     env = dict(os.environ)
-    local = plan.get("local_ranks", plan["world"])
-    env["DSFLOW_DEVICE"] = plan["device"]
-    if plan["device"] == "cpu":
+    local = spec.get("local_ranks", spec["world"])
+    env["DSFLOW_DEVICE"] = spec["device"]
+    if spec["device"] == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
     # Set, not defaulted: front-ends leave their own counts (Snakemake its job's cores, torchrun
     # 1), and a reduction split over other thread counts sums in another order: another model.
-    threads = str(threads_per_rank(plan["params"]["train"], local))
+    threads = str(threads_per_rank(spec["params"]["train"], local))
     env.update({THREADS_ENV: threads, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env

@@ -14,7 +14,10 @@ docs/reliability.md.
 Several nodes (dsflow.launch): every node runs this stage. Node 0 does all of the above; the
 others check the same things, then only launch their ranks: they take no lock and write nothing
 in checkpoints/ (on a shared filesystem the leader's run.json reaches every rank over the
-rendezvous, and a node whose plan differs from node 0's is refused by the ranks).
+rendezvous, and a node whose run spec differs from node 0's is refused by the ranks).
+
+The resolved run, the run spec, is the dict written to checkpoints/run.json (and
+ds_config.json) and read by every rank as a dsflow.train.runspec.RunSpec.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def check_pretrained_vocab(pretrained: str | None, vocab: int) -> None:
         )
 
 
-def plan_run(params: dict) -> dict:
+def resolve_run(params: dict) -> dict:
     train = params["train"]
     device, local_ranks = machine.resolve_device(train)
     world = local_ranks * train["nodes"]
@@ -88,7 +91,7 @@ def plan_run(params: dict) -> dict:
     ds_config = built = dsconfig.build(train, batch, steps, device)
     if train["ds_config"]:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
-    # Decided once, here (impossible settings fail in one line); the ranks read it from the plan.
+    # Decided once, here (impossible settings fail in one line); the ranks read it from run.json.
     perf = fastpaths.resolve(
         train.get("perf", {}),
         device,
@@ -124,12 +127,12 @@ def plan_run(params: dict) -> dict:
     }
 
 
-def launch_command(plan: dict, nodes: launch.Nodes) -> list[str]:
-    return launch.command(plan["params"]["train"], plan["local_ranks"], nodes, RANK_MODULE)
+def launch_command(spec: dict, nodes: launch.Nodes) -> list[str]:
+    return launch.command(spec["params"]["train"], spec["local_ranks"], nodes, RANK_MODULE)
 
 
 def _run_json(root: Path) -> dict:
-    """The plan node 0 wrote for the current (or last) run; {} when unreadable."""
+    """The run spec node 0 wrote for the current (or last) run; {} when unreadable."""
     try:
         run = json.loads((root / "run.json").read_text())
     except (OSError, ValueError):
@@ -141,48 +144,48 @@ def _previous_fingerprint(root: Path) -> str | None:
     return _run_json(root).get("fingerprint")
 
 
-def zero_partitioned(plan: dict) -> bool | None:
+def zero_partitioned(spec: dict) -> bool | None:
     """Whether every rank saves an optimizer partition (None: not known for sure)."""
-    return True if plan["ds_config"].get("zero_optimization", {}).get("stage", 0) else None
+    return True if spec["ds_config"].get("zero_optimization", {}).get("stage", 0) else None
 
 
-def prepare_run_dir(plan: dict) -> None:
-    """Clean up after interrupted runs and pick the checkpoint to resume (plan["resume"])."""
+def prepare_run_dir(spec: dict) -> None:
+    """Clean up after interrupted runs and pick the checkpoint to resume (spec["resume"])."""
     root = CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     for name in ckpt.remove_temp_tags(root):
         log.info("removed %s/%s, left by an interrupted checkpoint save", root, name)
     (root / ckpt.STOP_FILE).unlink(missing_ok=True)
-    resume = ckpt.resume_tag(root, plan["world"], zero_partitioned(plan), note=log.info)
-    if resume and _previous_fingerprint(root) != plan["fingerprint"]:
-        check_elastic_batch(root, plan)
-        check_layout(root, plan)
+    resume = ckpt.resume_tag(root, spec["world"], zero_partitioned(spec), note=log.info)
+    if resume and _previous_fingerprint(root) != spec["fingerprint"]:
+        check_elastic_batch(root, spec)
+        check_layout(root, spec)
         log.info("checkpoints/ holds a different run (params changed): starting fresh")
         resume = None
     if resume:
-        check_optimizer(root, plan)
+        check_optimizer(root, spec)
         if ckpt.latest_tag(root) != resume:
             ckpt.set_latest(root, resume)
         saved = ckpt.saved_world(root, resume)
         # ZeRO-0 saves the whole optimizer state in one file, which any world size loads.
-        if saved is not None and saved != plan["world"] and zero_partitioned(plan):
+        if saved is not None and saved != spec["world"] and zero_partitioned(spec):
             log.info(
                 "%s was saved by %d rank(s), this run has %d: converting it to a universal "
                 "checkpoint (deepspeed.checkpoint.ds_to_universal) to resume from",
                 resume,
                 saved,
-                plan["world"],
+                spec["world"],
             )
             resume = ckpt.to_universal(root, resume)
-            plan["ds_config"] = {**plan["ds_config"], "checkpoint": {"load_universal": True}}
+            spec["ds_config"] = {**spec["ds_config"], "checkpoint": {"load_universal": True}}
     else:
         ckpt.clear(root)
-    plan["resume"] = resume
-    write_json(root / "ds_config.json", plan["ds_config"])
-    write_json(root / "run.json", {k: v for k, v in plan.items() if k != "ds_config"})
+    spec["resume"] = resume
+    write_json(root / "ds_config.json", spec["ds_config"])
+    write_json(root / "run.json", {k: v for k, v in spec.items() if k != "ds_config"})
 
 
-def check_elastic_batch(root: Path, plan: dict) -> None:
+def check_elastic_batch(root: Path, spec: dict) -> None:
     """A run resumed on another number of ranks must keep its global batch: when that is the
     only difference from the run in checkpoints/, say how to keep it (rather than start over)."""
     try:
@@ -190,13 +193,13 @@ def check_elastic_batch(root: Path, plan: dict) -> None:
         old_world, old_batch = previous["world"], previous["batch"]
     except (OSError, ValueError, KeyError, TypeError):
         return
-    new_batch = plan["batch"]
-    if old_world == plan["world"] or old_batch["global"] == new_batch["global"]:
+    new_batch = spec["batch"]
+    if old_world == spec["world"] or old_batch["global"] == new_batch["global"]:
         return
-    same = ckpt.fingerprint(plan["params"], old_batch["global"], plan.get("data_sha", ""))
+    same = ckpt.fingerprint(spec["params"], old_batch["global"], spec.get("data_sha", ""))
     if same != previous.get("fingerprint"):
         return
-    old, world, micro = old_batch["global"], plan["world"], new_batch["micro"]
+    old, world, micro = old_batch["global"], spec["world"], new_batch["micro"]
     if old % world:
         fix = f"resume on a number of ranks that divides {old}"
     elif old % (micro * world) == 0:
@@ -226,31 +229,31 @@ def _layout_of(train: dict) -> dict:
     }
 
 
-def saved_layout(root: Path, plan: dict) -> dict | None:
-    """The plan's params in the memory layout of the run in checkpoints/, when that run is this
+def saved_layout(root: Path, spec: dict) -> dict | None:
+    """The run spec's params in the memory layout of the run in checkpoints/, when that run is this
     one saved in another layout (ZeRO stage, offload); else None."""
     try:
         previous = json.loads((root / "run.json").read_text())
         old = _layout_of(previous["params"]["train"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    params = copy.deepcopy(plan["params"])
+    params = copy.deepcopy(spec["params"])
     if old == _layout_of(params["train"]):
         return None
     params["train"]["zero_stage"] = old["zero_stage"]
     params["train"]["offload"].update(old["offload"])
-    batch = previous.get("batch", {}).get("global", plan["batch"]["global"])
-    if ckpt.fingerprint(params, batch, plan.get("data_sha", "")) != previous.get("fingerprint"):
+    batch = previous.get("batch", {}).get("global", spec["batch"]["global"])
+    if ckpt.fingerprint(params, batch, spec.get("data_sha", "")) != previous.get("fingerprint"):
         return None
     return params
 
 
-def check_optimizer(root: Path, plan: dict) -> None:
+def check_optimizer(root: Path, spec: dict) -> None:
     """train.perf.optimizer is no part of the fingerprint (it does not change the math), but
     DeepSpeed's and dsflow's fused optimizer save different states: a resume needs the one
     that saved them."""
     old = _run_json(root).get("perf", {}).get("optimizer", "deepspeed")
-    new = plan.get("perf", {}).get("optimizer", "deepspeed")
+    new = spec.get("perf", {}).get("optimizer", "deepspeed")
     if old != new:
         raise UsageError(
             f"train.perf.optimizer: checkpoints/ holds this run saved with the {old} optimizer, "
@@ -260,16 +263,16 @@ def check_optimizer(root: Path, plan: dict) -> None:
         )
 
 
-def check_layout(root: Path, plan: dict) -> None:
+def check_layout(root: Path, spec: dict) -> None:
     """Resuming across ZeRO stages or offload settings is not supported (DeepSpeed's universal
     checkpoints do not load across stages): when the memory layout is the only difference from
     the run in checkpoints/, say so instead of starting over (`zero_stage: auto` keeps the saved
     layout instead: see run)."""
-    params = saved_layout(root, plan)
+    params = saved_layout(root, spec)
     if params is None:
         return
-    old, new = _layout_of(params["train"]), _layout_of(plan["params"]["train"])
-    then, now = dsconfig.layout(params["train"]), dsconfig.layout(plan["params"]["train"])
+    old, new = _layout_of(params["train"]), _layout_of(spec["params"]["train"])
+    then, now = dsconfig.layout(params["train"]), dsconfig.layout(spec["params"]["train"])
     fix = [f"train.zero_stage: {old['zero_stage']}"]
     for key in ("optimizer", "param"):
         if old["offload"][key] != new["offload"][key]:
@@ -284,12 +287,14 @@ def check_layout(root: Path, plan: dict) -> None:
 # --------------------------------------------------------------------------- memory plan
 
 
-def _auto_layout(params: dict, req: request.Request, plan: dict | None) -> tuple[dict, dict | None]:
+def _auto_layout(
+    params: dict, req: request.Request, planned: dict | None
+) -> tuple[dict, dict | None]:
     """`train.zero_stage: auto` on GPUs: (params with the layout that fits, its estimate when
-    made). ``req`` is the request at auto's first stage; ``plan`` reports/plan.json when the plan
-    stage planned that very request."""
-    if plan is not None and plan["verdict"]["fits"]:
-        setup, est = req, plan["estimate"]
+    made). ``req`` is the request at auto's first stage; ``planned`` reports/plan.json when the
+    plan stage planned that very request."""
+    if planned is not None and planned["verdict"]["fits"]:
+        setup, est = req, planned["estimate"]
         why = layouts.fit_reason(req.zero_stage, est, req.gpu_mem_bytes)
     elif req.gpu_mem_bytes is None:
         setup, est, why = req, None, f"GPU memory unknown: ZeRO-{req.zero_stage}"
@@ -319,33 +324,33 @@ def plan_memory(params: dict, world: int, device: str) -> tuple[dict, dict]:
         auto = False
     # Resolved as the plan stage resolves it (`auto`: its first stage), to compare with its plan.
     req = request.resolve(params, None, world=world)
-    plan, why = layouts.planned(req)
+    planned, why = layouts.planned(req)
     if why:
         log.info("%s", why)
     if not auto:
-        return params, plan or layouts.assess(req)
-    params, est = _auto_layout(params, req, plan)
+        return params, planned or layouts.assess(req)
+    params, est = _auto_layout(params, req, planned)
     chosen = request.resolve(params, None, world=world)
-    if plan is not None and chosen.record() == req.record():
-        return params, plan
+    if planned is not None and chosen.record() == req.record():
+        return params, planned
     same = est is not None and est["inputs"] == memory.inputs(chosen.config, chosen)
     return params, layouts.assess(chosen, est if same else None)
 
 
-def preflight(params: dict, plan: dict, memory_plan: dict | None = None) -> dict:
+def preflight(params: dict, spec: dict, memory_plan: dict | None = None) -> dict:
     """The doctor's blockers and the planner's verdict, before any rank starts; returns the
     NCCL settings the machine needs (e.g. NCCL_P2P_DISABLE=1 on cards without peer access).
     ``memory_plan``: the launch's (:func:`plan_memory`); made here when None."""
     facts = machine.facts(".")
     if memory_plan is None:
-        memory_plan = checks.plan_for(facts, params, plan["world"])
+        memory_plan = checks.plan_for(facts, params, spec["world"])
     fails = checks.blockers(checks.diagnose(facts, params, memory_plan))
     if fails:
         first = fails[0]
         raise UsageError(f"doctor: {first.name}: {first.detail}; {first.fix}".rstrip("; "))
-    if plan["device"] == "cuda" and not params["train"]["force"]:
+    if spec["device"] == "cuda" and not params["train"]["force"]:
         layouts.refuse_unless_fits(memory_plan)
-    return machine.nccl_env(facts) if plan["device"] == "cuda" else {}
+    return machine.nccl_env(facts) if spec["device"] == "cuda" else {}
 
 
 def run(params: dict) -> None:
@@ -353,8 +358,8 @@ def run(params: dict) -> None:
     auto = params["train"]["zero_stage"] == "auto"
     world = local_ranks * params["train"]["nodes"]
     params, memory_plan = plan_memory(params, world, device)
-    plan = plan_run(params)
-    saved = saved_layout(CHECKPOINTS, plan) if auto else None
+    spec = resolve_run(params)
+    saved = saved_layout(CHECKPOINTS, spec) if auto else None
     if saved is not None:
         # A run cannot resume across ZeRO stages or offload settings, and auto picks by the
         # GPUs at hand (ZeRO-1 on one, ZeRO-2 on several): it keeps the run's layout instead.
@@ -363,27 +368,27 @@ def run(params: dict) -> None:
             dsconfig.layout(saved["train"]),
         )
         params, memory_plan = plan_memory(saved, world, device)
-        plan = plan_run(params)
+        spec = resolve_run(params)
     if launch.slurm_fanout(params["train"]):
-        _run_on_slurm_nodes(params, plan)
+        _run_on_slurm_nodes(params, spec)
         return
-    nodes = launch.resolve_nodes(params["train"], plan["local_ranks"])
-    nccl = preflight(params, plan, memory_plan)
+    nodes = launch.resolve_nodes(params["train"], spec["local_ranks"])
+    nccl = preflight(params, spec, memory_plan)
     for key, value in nccl.items():
         log.info("setting %s=%s for this machine (see python -m dsflow doctor)", key, value)
     if nodes.leader:
         with ckpt.RunLock(CHECKPOINTS) as lock:
-            _run_locked(plan, nccl, nodes, lock)
+            _run_locked(spec, nccl, nodes, lock)
         log.info("done: models/final, metrics/train.json")
     else:
-        _run_locked(plan, nccl, nodes, None)
+        _run_locked(spec, nccl, nodes, None)
         log.info("done: node %d of %d", nodes.rank, nodes.count)
 
 
-def _run_on_slurm_nodes(params: dict, plan: dict) -> None:
+def _run_on_slurm_nodes(params: dict, spec: dict) -> None:
     """In a SLURM allocation, started once: run this stage on every node (srun), and wait."""
     train = params["train"]
-    cmd = launch.slurm_command(train, plan["local_ranks"], plan["device"])
+    cmd = launch.slurm_command(train, spec["local_ranks"], spec["device"])
     env = launch.slurm_env(train, json.dumps(params, sort_keys=True))
     log.info(
         "SLURM job %s: the train stage on %d nodes, rendezvous %s:%s: %s",
@@ -409,42 +414,42 @@ def _run_on_slurm_nodes(params: dict, plan: dict) -> None:
     log.info("done: models/final, metrics/train.json")
 
 
-def _log_launch(plan: dict, nodes: launch.Nodes) -> None:
-    batch = plan["batch"]
+def _log_launch(spec: dict, nodes: launch.Nodes) -> None:
+    batch = spec["batch"]
     log.info(
         "%d rank(s) on %s%s, micro %d x accum %d x %d = batch %d, %d steps, resume: %s",
-        plan["world"],
-        plan["device"],
+        spec["world"],
+        spec["device"],
         f" ({nodes.count} nodes, this is node {nodes.rank})" if nodes.count > 1 else "",
         batch["micro"],
         batch["accum"],
-        plan["world"],
+        spec["world"],
         batch["global"],
-        plan["steps"],
-        plan.get("resume", "decided by node 0") or "none",
+        spec["steps"],
+        spec.get("resume", "decided by node 0") or "none",
     )
 
 
-def _run_locked(plan: dict, nccl: dict, nodes: launch.Nodes, lock: ckpt.RunLock | None) -> None:
+def _run_locked(spec: dict, nccl: dict, nodes: launch.Nodes, lock: ckpt.RunLock | None) -> None:
     """Launch this node's ranks and wait. The leader (node 0, holding `lock`) prepares
     checkpoints/ first and cleans up after; the other nodes leave checkpoints/ alone."""
     root = CHECKPOINTS
     if nodes.leader:
-        prepare_run_dir(plan)
-    _log_launch(plan, nodes)
+        prepare_run_dir(spec)
+    _log_launch(spec, nodes)
     status_dir = Path(tempfile.mkdtemp(prefix="dsflow-train-"))
     status_file = status_dir / "status"
-    env = {**launch.launch_env(plan), **nccl, "DSFLOW_STATUS_FILE": str(status_file)}
-    # Node 0's ranks hand run.json to every rank; the others check it against their own plan
+    env = {**launch.launch_env(spec), **nccl, "DSFLOW_STATUS_FILE": str(status_file)}
+    # Node 0's ranks hand run.json to every rank; the others check it against their own spec
     # (dsflow.train.runspec).
     if nodes.leader:
         env[launch.PLAN_SOURCE_ENV] = "1"
     else:
-        env[launch.FINGERPRINT_ENV] = plan["fingerprint"]
+        env[launch.FINGERPRINT_ENV] = spec["fingerprint"]
     try:
-        cmd = launch_command(plan, nodes)
+        cmd = launch_command(spec, nodes)
         with child_output() as out:  # what the ranks print goes to the stage's log too
-            if plan["device"] == "cpu":
+            if spec["device"] == "cpu":
                 cpuop.build(env, out)
             ranks_env = whole_lines(env)
             code, received = launch.run_launcher(cmd, ranks_env, root / ckpt.STOP_FILE, lock, out)
@@ -458,18 +463,18 @@ def _run_locked(plan: dict, nccl: dict, nodes: launch.Nodes, lock: ckpt.RunLock 
                 log.info("removed %s/%s, left by an interrupted checkpoint save", root, name)
     if status:  # a rank's one-line reason (the ranks may even have exited cleanly)
         raise UsageError(status.splitlines()[0])
-    _explain_exit(plan, nodes, code, received)
+    _explain_exit(spec, nodes, code, received)
 
 
-def _explain_exit(plan: dict, nodes: launch.Nodes, code: int, received: list[int]) -> None:
+def _explain_exit(spec: dict, nodes: launch.Nodes, code: int, received: list[int]) -> None:
     """Return when the run finished; else raise one line: what stopped it, and how to go on."""
     root = CHECKPOINTS
-    last = ckpt.resume_tag(root, plan["world"], zero_partitioned(plan))
-    finished = code == 0 and last and ckpt.step_of(last) >= plan["steps"]
+    last = ckpt.resume_tag(root, spec["world"], zero_partitioned(spec))
+    finished = code == 0 and last and ckpt.step_of(last) >= spec["steps"]
     # A clean exit before the last step: the ranks were asked to stop (checkpoints/.stop), by
     # this stage's signal handler or, with several nodes, by another node's.
     if (received or code == 0) and not finished:
-        resumed_from = plan["resume"] if nodes.leader else _run_json(root).get("resume")
+        resumed_from = spec["resume"] if nodes.leader else _run_json(root).get("resume")
         resumed_from = (resumed_from or "").split("/")[0]  # "stepN/universal" is stepN
         if last and last != resumed_from:
             what = f"checkpoint {last} saved; rerun to resume from it"
