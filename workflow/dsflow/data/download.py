@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -25,7 +26,7 @@ from dsflow.progress import bar, log
 SPLITS = ("train", "val")
 # A row group ends at whichever comes first, so readers' batches stay bounded in memory.
 ROW_GROUP_DOCS = 8192
-ROW_GROUP_BYTES = 32 << 20
+ROW_GROUP_BYTES = 8 << 20
 
 
 def val_split(text: str, val_fraction: float) -> bool:
@@ -82,34 +83,43 @@ class Tally:
 
 
 class SplitWriter:
-    """Streams documents into one Parquet file per split, in bounded row groups."""
+    """Streams documents into one Parquet file per split, in bounded row groups. Texts arrive as
+    UTF-8 bytes and become one Arrow buffer per row group: no per-string conversion."""
 
-    def __init__(self, out: Path, schema: pa.Schema):
+    def __init__(self, out: Path, schema: pa.Schema, dictionary: bool = True):
         self.schema = schema
         self.paths = {s: out / f"{s}.parquet" for s in SPLITS}
         self.writers = {
-            s: pq.ParquetWriter(p, schema, compression="zstd") for s, p in self.paths.items()
+            s: pq.ParquetWriter(p, schema, compression="zstd", use_dictionary=dictionary)
+            for s, p in self.paths.items()
         }
+        self.extra = [f for f in schema.names if f != "text"]
         self.columns = {s: {f: [] for f in schema.names} for s in SPLITS}
         self.buffered = {s: 0 for s in SPLITS}
 
-    def add(self, split: str, doc: dict, n_bytes: int) -> None:
+    def add(self, split: str, doc: dict, data: bytes) -> None:
         columns = self.columns[split]
-        for name, values in columns.items():
-            values.append(doc[name])
-        self.buffered[split] += n_bytes
+        columns["text"].append(data)
+        for name in self.extra:
+            columns[name].append(doc[name])
+        self.buffered[split] += len(data)
         if len(columns["text"]) >= ROW_GROUP_DOCS or self.buffered[split] >= ROW_GROUP_BYTES:
             self._flush(split)
 
     def _flush(self, split: str) -> None:
         columns = self.columns[split]
-        if columns["text"]:
-            table = pa.table(
-                [pa.array(columns[f.name], f.type) for f in self.schema], schema=self.schema
-            )
-            self.writers[split].write_table(table)
-            self.columns[split] = {f: [] for f in self.schema.names}
-            self.buffered[split] = 0
+        texts = columns["text"]
+        if not texts:
+            return
+        offsets = np.zeros(len(texts) + 1, dtype=np.int32)
+        np.cumsum([len(t) for t in texts], out=offsets[1:])
+        text = pa.StringArray.from_buffers(
+            len(texts), pa.py_buffer(offsets), pa.py_buffer(b"".join(texts))
+        )
+        arrays = [text] + [pa.array(columns[f], self.schema.field(f).type) for f in self.extra]
+        self.writers[split].write_table(pa.table(arrays, schema=self.schema))
+        self.columns[split] = {f: [] for f in self.schema.names}
+        self.buffered[split] = 0
 
     def close(self) -> None:
         for split in SPLITS:
@@ -125,7 +135,7 @@ def write_stream(docs: Iterator[dict], cfg: dict, writer: SplitWriter, tally: Ta
             continue
         data = text.encode("utf-8")
         split = "val" if val_split_bytes(data, cfg["val_fraction"]) else "train"
-        writer.add(split, doc, len(data))
+        writer.add(split, doc, data)
         tally.add(split, len(data), doc)
         if tally.full(cfg):
             break
@@ -240,14 +250,15 @@ def run(params: dict) -> None:
         files = file_source.paths
     partial = None
     with atomic_dir(RAW) as tmp:
-        writer = SplitWriter(tmp, pa.schema(fields))
+        # Dictionary pages never pay for free text; the builtin corpus keeps them, and its bytes.
+        writer = SplitWriter(tmp, pa.schema(fields), dictionary=source == "builtin")
         try:
             if source == "hf":
                 partial, tally = hf_download(cfg)
                 for split in SPLITS:
                     for texts in partial.texts(split):
                         for text in texts:
-                            writer.add(split, {"text": text}, len(text.encode("utf-8")))
+                            writer.add(split, {}, text.encode("utf-8"))
             else:
                 tally = Tally()
                 docs = (

@@ -29,7 +29,7 @@ from dsflow.errors import UsageError
 from dsflow.progress import log
 
 PART_DOCS = 8192
-PART_BYTES = 64 << 20
+PART_BYTES = 32 << 20
 BATCH_ROWS = 1000
 STATE_VERSION = 1
 

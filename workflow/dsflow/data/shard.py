@@ -21,6 +21,8 @@ from dsflow.progress import bar, log
 
 SPLITS = ("train", "val")
 FORMAT_VERSION = 1
+# Rows read at a time: memory follows the longest documents, not the corpus.
+READ_ROWS = 1024
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -66,7 +68,7 @@ def shard_split(src: Path, dst: Path, shard_tokens: int, vocab_size: int) -> dic
     docs = n_bytes = 0
     max_id = -1
     with bar(desc=f"shard {src.stem}", total=parquet.metadata.num_rows, unit="doc") as progress:
-        for batch in parquet.iter_batches(batch_size=8192, columns=["input_ids", "n_bytes"]):
+        for batch in parquet.iter_batches(batch_size=READ_ROWS, columns=["input_ids", "n_bytes"]):
             ids = batch.column(0).flatten().to_numpy(zero_copy_only=False)
             if len(ids):
                 max_id = max(max_id, int(ids.max()))

@@ -19,8 +19,8 @@ import glob
 import json
 import os
 import re
+import stat
 from collections.abc import Iterator
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -35,28 +35,33 @@ PARAGRAPH_BREAK = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
 UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
 
-def expand_paths(patterns: list[str]) -> list[str]:
+def expand_paths(patterns: list[str]) -> list[tuple[str, int]]:
+    """(path, size) of every regular file the patterns match, each glob sorted."""
     if not patterns:
         raise UsageError("download.files.paths: empty; list .txt/.jsonl/.parquet files or globs")
-    files: list[str] = []
+    files: list[tuple[str, int]] = []
     for pattern in patterns:
         matched = sorted(glob.glob(pattern, recursive=True))
         if not matched:
             raise UsageError(f"download.files.paths: {pattern!r} matches no file")
-        files.extend(m for m in matched if os.path.isfile(m))
+        for path in matched:
+            st = os.stat(path)
+            if stat.S_ISREG(st.st_mode):
+                files.append((path, st.st_size))
     return files
 
 
 def check_file(path: str) -> str:
-    """The file's suffix, once it is known to be a readable, supported file."""
-    ext = Path(path).suffix.lower()
+    """The file's suffix, once it is known to be a supported file (one stat per file: the
+    permission check is the open itself)."""
+    ext = os.path.splitext(path)[1].lower()
     if ext not in SUFFIXES:
         raise UsageError(f"{path}: unsupported file type {ext!r} (use .txt, .jsonl or .parquet)")
-    if not os.access(path, os.R_OK):
-        raise UsageError(f"{path}: cannot read the file (check its permissions)")
     if ext == ".parquet":
         try:
             pq.ParquetFile(path)
+        except PermissionError:
+            raise UsageError(f"{path}: cannot read the file (check its permissions)") from None
         except (pa.ArrowException, OSError) as e:
             msg = str(e).strip()[:200]
             raise UsageError(f"{path}: cannot read as .parquet ({msg})") from None
@@ -139,10 +144,9 @@ def clean(text: str, split_by: str) -> str:
     return text
 
 
-def txt_texts(path: str, split_by: str, chunk_bytes: int, progress) -> Iterator[str]:
+def txt_texts(path: str, size: int, split_by: str, chunk_bytes: int, progress) -> Iterator[str]:
     """The documents of one .txt file, read in blocks; only `file` holds the whole file."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
         data = f.read() if split_by == "file" or size <= BLOCK else f.read(BLOCK)
         check_text_start(path, data)
         base = 0  # the file offset of data[0]
@@ -227,13 +231,14 @@ class FileSource:
         self.split_by = cfg["split_by"]
         self.chunk_bytes = cfg["chunk_bytes"]
         self.field = cfg["text_field"]
-        self.paths = expand_paths(cfg["paths"])
+        self.files = expand_paths(cfg["paths"])
+        self.paths = [path for path, _ in self.files]
         self.kinds = [check_file(p) for p in self.paths]
-        self.total = sum(os.path.getsize(p) for p in self.paths)
+        self.total = sum(size for _, size in self.files)
 
-    def texts(self, path: str, ext: str, progress) -> Iterator[str]:
+    def texts(self, path: str, size: int, ext: str, progress) -> Iterator[str]:
         if ext == ".txt":
-            return txt_texts(path, self.split_by, self.chunk_bytes, progress)
+            return txt_texts(path, size, self.split_by, self.chunk_bytes, progress)
         records = (
             parquet_texts(path, self.field, progress)
             if ext == ".parquet"
@@ -244,12 +249,17 @@ class FileSource:
     def documents(self) -> Iterator[dict]:
         """{"text", "origin"} per non-blank document; a file with none is an error."""
         with bar(desc="download", total=self.total, unit="B") as progress:
-            for path, ext in zip(self.paths, self.kinds, strict=True):
+            for (path, size), ext in zip(self.files, self.kinds, strict=True):
                 found = False
-                for text in self.texts(path, ext, progress):
-                    if text.strip():
-                        found = True
-                        yield {"text": text, "origin": path}
+                try:
+                    for text in self.texts(path, size, ext, progress):
+                        if text.strip():
+                            found = True
+                            yield {"text": text, "origin": path}
+                except PermissionError:
+                    raise UsageError(
+                        f"{path}: cannot read the file (check its permissions)"
+                    ) from None
                 if not found:
                     raise UsageError(
                         f"{path}: no non-empty document (the file is empty or only whitespace); "

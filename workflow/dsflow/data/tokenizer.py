@@ -38,7 +38,7 @@ SAMPLE_SALT = 0x746F6B656E697A65  # keeps the sample apart from other uses of th
 class Sample:
     """Batches of the sampled texts of a parquet split; counts what it gave."""
 
-    def __init__(self, path: Path, fraction: float, seed: int, batch_size: int = 4096):
+    def __init__(self, path: Path, fraction: float, seed: int, batch_size: int = 1024):
         self.path, self.batch_size = path, batch_size
         self.fraction = fraction
         self.key = splitmix64(np.uint64(seed) ^ np.uint64(SAMPLE_SALT))
