@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -131,6 +132,40 @@ def test_samples_and_expert_load(evaluated):
     load = json.loads((evaluated / "reports/eval/expert_load.json").read_text())
     assert sorted(load, key=int) == ["1", "2", "3"]  # tiny: layer 0 dense, 1-3 MoE
     assert all(sum(v["load"]) == 60 * 64 * 2 for v in load.values())  # tokens x top-2
+
+
+# A plain Hugging Face client: the exported model and tokenizer, nothing of dsflow's.
+PLAIN_CLIENT = """
+import json, sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained("models/final")
+model = AutoModelForCausalLM.from_pretrained("models/final")
+out = []
+for prompt in json.loads(sys.argv[1]):
+    inputs = tok(prompt, return_tensors="pt")
+    gen = model.generate(**inputs, do_sample=False, max_new_tokens=int(sys.argv[2]))
+    out.append(tok.decode(gen[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+print(json.dumps(out))
+"""
+
+
+def test_a_plain_hf_client_gets_the_reports_greedy_samples(evaluated):
+    """AutoTokenizer + AutoModelForCausalLM in a fresh process, tokenizer(prompt) and greedy
+    generate: the continuation the report shows. Training documents start with BOS and the
+    tokenizer adds it, so the client's input is what the model saw."""
+    samples = json.loads((evaluated / "reports/eval/samples.json").read_text())
+    prompts = [s["prompt"] for s in samples]
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAIN_CLIENT, json.dumps(prompts), "20"],
+        cwd=evaluated,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    greedy = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert greedy == [s["greedy"] for s in samples]
+    assert all(greedy)
 
 
 def test_lm_eval_tasks_without_the_harness_is_a_clear_error(evaluated, tmp_path):

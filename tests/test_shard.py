@@ -12,7 +12,7 @@ from dsflow.data.shards import ShardReader, load_index
 from dsflow.errors import UsageError
 
 
-def test_shards_hold_every_document_followed_by_eos(prepared):
+def test_shards_hold_every_document_between_bos_and_eos(prepared):
     tok = AutoTokenizer.from_pretrained(prepared / "data/tokenizer")
     for split in ("train", "val"):
         index = load_index(prepared / f"data/shards/{split}")
@@ -29,8 +29,9 @@ def test_shards_hold_every_document_followed_by_eos(prepared):
         assert index["docs"] == len(docs)
         assert index["bytes"] == sum(len(d.encode()) for d in docs)
         assert int((stream == tok.eos_token_id).sum()) == len(docs)
+        assert int((stream == tok.bos_token_id).sum()) == len(docs)
         decoded = tok.decode(stream.tolist(), skip_special_tokens=False)
-        assert decoded == "".join(d + tok.eos_token for d in docs)
+        assert decoded == "".join(tok.bos_token + d + tok.eos_token for d in docs)
 
 
 def test_tokenize_and_shard_identical_with_one_or_two_processes(prepared, tmp_path):

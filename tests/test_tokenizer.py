@@ -17,6 +17,8 @@ def test_tokenizer_loads_with_autotokenizer_and_round_trips(prepared):
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text  # byte-level: any UTF-8 text round-trips
     assert len(ids) < len(text.encode())  # merges were learned
+    # By default it starts a text with BOS, as DeepSeek's tokenizers do (training did too).
+    assert tok(text)["input_ids"] == [tok.bos_token_id] + ids
 
 
 def test_tokenizer_is_deterministic(prepared, tmp_path):

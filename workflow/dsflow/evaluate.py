@@ -92,8 +92,8 @@ def generate_samples(model, tokenizer, cfg, device) -> list[dict]:
     samples = []
     eos = tokenizer.eos_token_id
     for prompt in cfg["prompts"]:
-        # Training streams put EOS before every document: it is this model's "start of text".
-        ids = [eos] + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        # As a plain HF client encodes it: BOS first, as every training document starts.
+        ids = tokenizer(prompt)["input_ids"]
         inputs = torch.tensor([ids], device=device)
         out = {"prompt": prompt}
         for mode in ("greedy", "sampled"):

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from dsflow.atomic import atomic_dir
 from dsflow.data.shards import splitmix64
@@ -88,6 +88,11 @@ def train_bpe(texts_batches, n_docs: int, vocab_size: int, min_frequency: int):
             yield from batch
 
     tok.train_from_iterator(texts(), trainer, length=n_docs)
+    # Every document starts with BOS, as DeepSeek's tokenizers add it: a plain `tokenizer(text)`
+    # then gives what the model saw in training (the tokenize stage encodes with the specials).
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,

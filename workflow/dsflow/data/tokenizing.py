@@ -1,7 +1,8 @@
 """Stage `tokenize`: documents -> token ids -> data/tokens/{split}.parquet.
 
-Each row is one document: its ids followed by EOS, and its UTF-8 byte count (bits-per-byte needs
-the bytes behind every token). A task is one row group of the raw split; `tokenize.num_proc`
+Each row is one document: its ids as the tokenizer encodes it with its special tokens (dsflow's
+BPE and DeepSeek's tokenizers put BOS first), then EOS, and its UTF-8 byte count (bits-per-byte
+needs the bytes behind every token). A task is one row group of the raw split; `tokenize.num_proc`
 single-threaded worker processes encode tasks, and the stage writes their results in row-group
 order as they arrive, with at most two tasks per worker in flight. So memory is bounded by the
 row group, not the corpus, and the output does not depend on the number of processes. With
@@ -45,9 +46,10 @@ def init_worker(tokenizer_json: str, eos_id: int) -> None:
 
 
 def encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Flat uint32 ids (each document's ids then EOS) and each document's token count."""
+    """Flat uint32 ids (each document as the tokenizer encodes it, then EOS) and each
+    document's token count."""
     tok, eos = _worker["tokenizer"], _worker["eos_id"]
-    ids = [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
+    ids = [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=True)]
     for x in ids:
         x.append(eos)
     counts = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
