@@ -688,3 +688,18 @@ def test_ad_hoc_plans_of_published_models_use_their_vocabulary(
     params["tokenizer"]["pretrained"] = "deepseek-ai/DeepSeek-V2"  # its shards are its own
     assert request.resolve(params, _args("--model", preset)).vocab_size == 3491
     assert request.resolve(_params(), _args("--model", "medium")).vocab_size == 3491
+
+
+def test_host_ram_is_one_nodes_ranks(monkeypatch, tmp_path):
+    """ZeRO partitions over every rank of every node, but a host holds only its own ranks."""
+    monkeypatch.chdir(tmp_path)
+    gpus = [{"name": "NVIDIA H100 80GB HBM3", "total_memory": 80 * 10**9}] * 8
+    one = params_mod.deep_merge(_params(), {"train": {"device": "cuda", "gpus": 8, "nodes": 1}})
+    two = params_mod.deep_merge(one, {"train": {"nodes": 2}})
+    single = layouts.assess(request.resolve(one, None, gpus=gpus))["estimate"]
+    double = layouts.assess(request.resolve(two, None, gpus=gpus))["estimate"]
+    assert double["inputs"]["world"] == 16 and double["inputs"]["nodes"] == 2
+    assert double["host"]["node_total"] == double["host"]["per_rank"] * 8
+    assert single["host"]["node_total"] == single["host"]["per_rank"] * 8
+    # Each rank holds half the optimizer partition it holds on one node.
+    assert double["gpu"]["optimizer"] < single["gpu"]["optimizer"]

@@ -227,6 +227,7 @@ def _disk(facts: dict, summ: dict) -> Check:
 
 
 def _host_ram(facts: dict, est: dict, device: str, world: int) -> Check:
+    """This node's RAM against what its `world` ranks need."""
     host = facts.get("host_ram_bytes")
     if device == "cpu":
         need = layouts.cpu_host_need(est)

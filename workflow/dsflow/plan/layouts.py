@@ -162,11 +162,12 @@ def verdict(
 
 
 def cpu_host_need(estimate: dict) -> int:
-    """Host RAM of CPU ranks: each keeps its model states and activations there (or the fp32
-    model it builds first, whichever is larger), plus the process itself."""
-    host, world = estimate["host"], estimate["inputs"]["world"]
+    """Host RAM of one node's CPU ranks: each keeps its model states and activations there (or
+    the fp32 model it builds first, whichever is larger), plus the process itself."""
+    host, inputs = estimate["host"], estimate["inputs"]
     base = host["per_rank"] - host["init_per_rank"]
-    return (max(estimate["gpu"]["allocated"], host["init_per_rank"]) + base) * world
+    ranks = -(-inputs["world"] // inputs.get("nodes", 1))
+    return (max(estimate["gpu"]["allocated"], host["init_per_rank"]) + base) * ranks
 
 
 def cpu_verdict(

@@ -119,7 +119,7 @@ class Setup:
 
     seq_len: int
     micro_batch: int
-    world: int
+    world: int  # ranks over every node: ZeRO partitions over all of them
     zero_stage: int
     precision: str
     offload_optimizer: bool = False
@@ -130,6 +130,11 @@ class Setup:
     seq_aux: bool = True
     fused_optimizer: bool = False
     offload_device: str = "cpu"
+    nodes: int = 1  # machines: each host holds world / nodes ranks
+
+    @property
+    def ranks_per_node(self) -> int:
+        return _ceil_div(self.world, self.nodes)
 
     @property
     def fused(self) -> bool:
@@ -425,6 +430,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "seq_aux": bool(setup.seq_aux),
         "fused_optimizer": bool(setup.fused),
         "offload_device": setup.offload_device,
+        "nodes": setup.nodes,
         "vocab_size": int(config.vocab_size),
     }
 
@@ -487,10 +493,10 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
             **host,
             "init_per_rank": init_per_rank,
             "per_rank": host_per_rank,
-            "node_total": host_per_rank * setup.world,
+            "node_total": host_per_rank * setup.ranks_per_node,
         },
         # NVMe offload's swap files: every rank of the node writes its partition.
-        "nvme": {"per_rank": swap, "node_total": swap * setup.world},
+        "nvme": {"per_rank": swap, "node_total": swap * setup.ranks_per_node},
     }
 
 

@@ -430,6 +430,8 @@ def resolve(
         seq_aux=float(train.get("balance", {}).get("seq_aux_alpha", 0.0)) > 0,
         fused_optimizer=fused_optimizer_wanted(train, world),
         offload_device=offload_device,
+        # --gpus plans one machine; params plan train.nodes machines of train.gpus ranks each.
+        nodes=1 if _arg(args, "gpus") else int(train.get("nodes", 1)),
         **_checkpoints(train, dsconfig.Batch(micro, accum, world)),
         **where,
         nvme_path=nvme_path,
