@@ -314,3 +314,12 @@ def test_jsonl_errors_name_the_line(tmp_path):
     path.write_text('{"text": "fine"}\nnot json\n')
     with pytest.raises(UsageError, match=r"x.jsonl: line 2: not valid JSON"):
         file_docs([path], "auto")
+
+
+def test_chunks_move_on_through_bytes_that_start_no_character():
+    """A run of UTF-8 continuation bytes longer than a chunk is cut anyway (decoding then names
+    the bad byte) instead of never leaving its first position."""
+    data = b"ab" + b"\x80" * 100
+    spans, rest = textfiles.cut_chunks(data, 64, True)
+    assert rest == len(data) and spans[-1][1] == len(data)
+    assert all(end > start for start, end in spans)

@@ -153,3 +153,13 @@ def test_the_cpu_op_build_is_announced_only_when_it_happens(tmp_path, monkeypatc
     monkeypatch.setattr(cpuop, "BUILD", [sys.executable, "-c", "raise SystemExit(1)"])
     with pytest.raises(cpuop.UsageError, match="did not build .*C\\+\\+ compiler and ninja"):
         cpuop.build({"TORCH_EXTENSIONS_DIR": str(tmp_path / "empty")})
+
+
+def test_a_progress_bar_keeps_only_its_last_redraw():
+    """A bar redraws its line with \\r and never ends it: what is held back stays one redraw."""
+    from dsflow.progress import unfinished
+
+    held = b"".join(f"{i}%\r".encode() for i in range(1000)) + b"99"
+    assert unfinished(held) == b"99"
+    assert unfinished(b"no bar") == b"no bar"
+    assert unfinished(b"done\r") == b"done\r"  # the next redraw still overwrites it

@@ -442,8 +442,8 @@ def test_a_killed_stage_takes_its_launcher_down(tmp_path):
 def test_a_rank_destroys_its_process_group_before_exiting(tmp_path):
     """Left to the interpreter's teardown, Gloo's threads sometimes abort a finished rank (-6,
     "terminate called without an active exception"; seen once in CI after a complete ZeRO-3
-    run, ~1 in 10 for a bare 3-rank gloo script here). The worker's exit path destroys the
-    group first and keeps the exit code; a second call is harmless."""
+    run, ~1 in 10 for a bare 3-rank gloo script here). A rank's exit path (loop.shutdown)
+    destroys the group first and keeps the exit code; a second call is harmless."""
     import torch.distributed as dist
 
     from dsflow.train import loop

@@ -22,7 +22,7 @@ from dsflow import params as params_mod
 from dsflow.atomic import atomic_dir, atomic_file
 from dsflow.data.shards import ShardReader
 from dsflow.errors import UsageError
-from dsflow.launch import free_port, launch_env, threads_per_rank, torchrun_command
+from dsflow.launch import free_port, launch_env, set_rank_threads, torchrun_command
 from dsflow.machine import resolve_device
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.loss import to_batch, token_nll
@@ -136,9 +136,7 @@ def lm_eval_results(tasks: list[str]) -> dict:
 def evaluate_rank(params: dict, device_type: str) -> None:
     """One rank's share of the windows; rank 0 gathers every share and writes the results."""
     # First, before any parallel work: dsflow's thread count, not the front-end's (as training).
-    threads = threads_per_rank(params["train"], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    torch.set_num_threads(threads)
-    torch.set_num_interop_threads(threads)
+    set_rank_threads(params["train"])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     distributed = "RANK" in os.environ

@@ -298,11 +298,27 @@ def threads_per_rank(train: dict, local_ranks: int) -> int:
     return max(1, cores // local_ranks)
 
 
-def rank_threads(env: Mapping[str, str] = os.environ) -> int:
+def rank_threads(env: Mapping[str, str] = os.environ, train: dict | None = None) -> int:
     """In a rank: the thread count its stage chose (launch_env). DeepSpeed's pdsh launcher
-    passes on only some variables, so a rank it started elsewhere takes auto's count."""
+    passes on only some variables, so a rank it started elsewhere takes `train`'s setting (auto
+    when None) for its node; so does a stage that evaluates in its own process."""
     value = env.get(THREADS_ENV)
-    return int(value) if value else threads_per_rank({}, int(env.get("LOCAL_WORLD_SIZE", 1)))
+    local = int(env.get("LOCAL_WORLD_SIZE", 1))
+    return int(value) if value else threads_per_rank(train or {}, local)
+
+
+def set_rank_threads(train: dict | None = None) -> int:
+    """In a rank, before any parallel work: torch's intra-op and inter-op threads from
+    rank_threads. Inter-op threads can be set once per process, before inter-op work starts:
+    a second call (an evaluation run twice in one process) leaves them as they are."""
+    import torch  # only ranks call this; the stages import this module without torch
+
+    threads = rank_threads(train=train)
+    torch.set_num_threads(threads)
+    if torch.get_num_interop_threads() != threads:
+        with contextlib.suppress(RuntimeError):
+            torch.set_num_interop_threads(threads)
+    return threads
 
 
 def launch_env(spec: dict) -> dict:

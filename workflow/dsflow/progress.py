@@ -103,7 +103,8 @@ class LoggedStream(io.TextIOBase):
 
     def write(self, text: str) -> int:
         self.stream.write(text)
-        *lines, self.pending = (self.pending + text).split("\n")
+        *lines, rest = (self.pending + text).split("\n")
+        self.pending = unfinished(rest.encode()).decode()
         for line in lines:
             to_log(shown(line.encode()).decode())
         return len(text)
@@ -156,6 +157,13 @@ def shown(line: bytes) -> bytes:
     return line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
 
 
+def unfinished(rest: bytes) -> bytes:
+    """The part of an unfinished line that can still show: a progress bar redraws its line with
+    \r and never ends it, so only its last redraw is kept (the held text stays bounded)."""
+    cut = rest.rstrip(b"\r").rfind(b"\r")
+    return rest[cut + 1 :] if cut >= 0 else rest
+
+
 def pump(log_path: str, source: int = 0, terminal: int = 1) -> None:
     """Copy file descriptor `source` to `terminal` as it comes (progress bars stay live) and
     append each whole line to `log_path`. Signals are ignored: when the stage is interrupted or
@@ -168,6 +176,7 @@ def pump(log_path: str, source: int = 0, terminal: int = 1) -> None:
         with contextlib.suppress(OSError):  # the terminal went away: keep logging
             os.write(terminal, chunk)
         *lines, pending = (pending + chunk).split(b"\n")
+        pending = unfinished(pending)
         if lines:
             os.write(out, b"".join(f"{stamp()} ".encode() + shown(x) + b"\n" for x in lines))
     if pending:

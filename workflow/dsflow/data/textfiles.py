@@ -105,6 +105,8 @@ def cut_chunks(data: bytes, chunk_bytes: int, final: bool) -> tuple[list[tuple[i
                 end = pos + chunk_bytes
                 while end > pos and (data[end] & 0xC0) == 0x80:
                     end -= 1
+                if end == pos:  # no character starts here (not UTF-8): decoding will say so
+                    end = pos + chunk_bytes
         spans.append((pos, end))
         pos = end
     return spans, pos

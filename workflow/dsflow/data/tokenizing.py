@@ -46,12 +46,13 @@ def init_worker(tokenizer_json: str, eos_id: int) -> None:
 
 
 def encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Flat uint32 ids (each document as the tokenizer encodes it, then EOS) and each
-    document's token count."""
+    """Flat uint32 ids (each document as the tokenizer encodes it, then EOS unless its
+    template already ends it with one) and each document's token count."""
     tok, eos = _worker["tokenizer"], _worker["eos_id"]
     ids = [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=True)]
     for x in ids:
-        x.append(eos)
+        if not x or x[-1] != eos:
+            x.append(eos)
     counts = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(chain.from_iterable(ids), dtype=np.uint32, count=int(counts.sum()))
     return flat, counts

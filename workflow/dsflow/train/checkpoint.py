@@ -34,6 +34,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -262,9 +263,6 @@ def to_universal(root: Path, tag: str) -> str:
         tmp = root / tag / f"{TEMP_PREFIX}{UNIVERSAL}"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
-        import subprocess
-        import sys
-
         proc = subprocess.run(
             [
                 sys.executable,
@@ -278,7 +276,7 @@ def to_universal(root: Path, tag: str) -> str:
                 "1",
                 "--num_merge_workers",
                 "1",
-                "--inject_missing_state",  # tags saved before dsflow marked them (worker.py)
+                "--inject_missing_state",  # tags saved before dsflow marked them (engine._universal)
             ],
             capture_output=True,
             text=True,

@@ -108,9 +108,7 @@ def train_step(run: engine.Run, loader: BatchLoader, step: int, hooks: Hooks):
 def init_distributed() -> torch.device:
     """Join the process group (NCCL on GPUs, Gloo on CPUs); this rank's device."""
     # First, before any parallel work: the stage's thread count, not the launcher's.
-    threads = launch.rank_threads()
-    torch.set_num_threads(threads)
-    torch.set_num_interop_threads(threads)
+    launch.set_rank_threads()
     import deepspeed
 
     device_type = os.environ.get("DSFLOW_DEVICE") or (
