@@ -1,0 +1,123 @@
+"""LoRA adapters (dsflow.model.lora): what they reach, what they leave frozen, and both exports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsflow.errors import UsageError
+from dsflow.model import lora
+from dsflow.model.balance import ExpertBalancer
+from dsflow.model.build import build_model
+from dsflow.model.presets import model_config
+
+VOCAB = 97
+ALL = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": list(lora.GROUPS)}
+
+
+def _base(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return build_model(model_config("tiny", VOCAB, overrides), device_type="cpu")
+
+
+def _batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (2, 24), generator=g)
+
+
+def _train(model, steps: int = 3, balancer=None):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for step in range(steps):
+        x = _batch(step)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if balancer is not None:
+            balancer.update()
+
+
+def _base_names(peft_model):
+    """Base weight name (as in the plain model) -> tensor, for every non-adapter parameter."""
+    out = {}
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            continue
+        plain = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        out[plain] = p.detach().clone()
+    return out
+
+
+def test_every_group_reaches_its_weights_and_only_adapters_train():
+    model = _base()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    peft_model = lora.attach(model, ALL)
+    adapted = {n.split(".lora_")[0] for n, p in peft_model.named_parameters() if p.requires_grad}
+    text = " ".join(sorted(adapted))
+    for needle in ("self_attn.kv_b_proj", "layers.0.mlp.gate_proj", "shared_experts.down_proj"):
+        assert needle in text
+    assert any(n.endswith("mlp.experts") for n in adapted)  # the fused routed experts
+    assert all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    _train(peft_model)
+    after = _base_names(peft_model)
+    assert set(after) == set(before)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    lora_b = [p for n, p in peft_model.named_parameters() if "lora_B" in n]
+    assert all(p.abs().sum() > 0 for p in lora_b)  # every adapter moved off its zero start
+
+
+def test_router_biases_still_balance_under_lora():
+    peft_model = lora.attach(_base(), ALL)
+    balancer = ExpertBalancer(peft_model, gamma=1e-2)
+    assert len(balancer.routers) == 3
+    _train(peft_model, steps=2, balancer=balancer)
+    biases = torch.stack(balancer.bias_state())
+    assert biases.abs().max() > 0
+
+
+def test_merged_and_adapter_exports_reproduce_the_adapted_model(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = _base()
+    base.save_pretrained(tmp_path / "base")
+    peft_model = lora.attach(base, ALL)
+    _train(peft_model)
+    peft_model.eval()
+    x = _batch(7)
+    with torch.no_grad():
+        want = peft_model(input_ids=x, labels=x).loss
+    lora.save_adapter(peft_model, str(tmp_path / "adapter"))
+    lora.merged(peft_model).save_pretrained(tmp_path / "merged")
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any("lora" in n for n, _ in plain.named_parameters())
+    fresh_base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    adapted = PeftModel.from_pretrained(fresh_base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        got_merged = plain(input_ids=x, labels=x).loss
+        got_adapter = adapted(input_ids=x, labels=x).loss
+    torch.testing.assert_close(got_adapter, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_merged, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, overrides, needle",
+    [
+        ({"rank": 0}, {}, "train.lora.rank"),
+        ({"targets": ["mlp"]}, {}, "train.lora.targets: ['mlp']"),
+        ({"targets": ["dense_mlp"]}, {"first_k_dense_replace": 0}, "'dense_mlp' matches no"),
+        ({"dropout": 0.1}, {}, "train.lora.dropout"),
+    ],
+)
+def test_bad_lora_settings_are_one_line(change, overrides, needle):
+    with pytest.raises(UsageError) as err:
+        lora.attach(_base(**overrides), {**ALL, **change})
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_attention_only_takes_dropout():
+    peft_model = lora.attach(_base(), {**ALL, "targets": ["attention"], "dropout": 0.1})
+    assert "trainable" in lora.trainable_summary(peft_model)

@@ -1,0 +1,111 @@
+"""LoRA fine-tuning of a DeepSeek model with PEFT: which weights get adapters, and the exports.
+
+`train.finetune: lora` freezes the base model and trains low-rank adapters (B A, rank r, scaled
+by alpha / r) on the weight groups named in `train.lora.targets`:
+
+- `attention`: MLA's projections (q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, kv_b_proj,
+  o_proj), as PEFT's ordinary `nn.Linear` adapters (these alone take `dropout`);
+- `dense_mlp`: the dense layers' gate/up/down projections;
+- `shared_experts`: the MoE layers' shared experts;
+- `experts`: the routed experts' fused weights (`gate_up_proj` [E, 2I, H] and `down_proj`), one
+  adapter per expert (PEFT's parameter adapters).
+
+The MLP groups go through PEFT's parameter adapters (`target_parameters`) even where the weight
+sits in an `nn.Linear`: since transformers 5 fused DeepSeek's experts, PEFT reads a module target
+named `gate_proj`, `up_proj` or `down_proj` as the experts of a transformers-4 adapter and moves it
+onto the fused weights, so a dense layer's projections could not be targeted by name, and an
+adapter saved that way would load onto other weights. Parameter targets load back as they were
+saved. The routers (and their balancing biases), norms and embeddings stay frozen as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsflow.errors import UsageError
+
+GROUPS: dict[str, dict[str, list[str]]] = {
+    "attention": {
+        "modules": ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    },
+    "dense_mlp": {"parameters": [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]},
+    "shared_experts": {
+        "parameters": [f"shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+    },
+    "experts": {"parameters": ["experts.gate_up_proj", "experts.down_proj"]},
+}
+
+
+def _matches(model: Any, group: str) -> list[str]:
+    """The names in `model` that `group`'s targets reach (PEFT's suffix rule)."""
+    spec = GROUPS[group]
+    modules = [n for n, _ in model.named_modules()]
+    params = [n for n, _ in model.named_parameters()]
+    hits = [n for n in modules for t in spec.get("modules", []) if n.endswith("." + t)]
+    hits += [n for n in params for t in spec.get("parameters", []) if n.endswith("." + t)]
+    return hits
+
+
+def check(model: Any, lora: dict) -> None:
+    """One line for a LoRA setting this model cannot take (before PEFT raises its own)."""
+    if lora["rank"] < 1:
+        raise UsageError(f"train.lora.rank: {lora['rank']}; give a rank of 1 or more")
+    unknown = [g for g in lora["targets"] if g not in GROUPS]
+    if unknown or not lora["targets"]:
+        raise UsageError(
+            f"train.lora.targets: {unknown or 'empty'}; choose from {', '.join(GROUPS)}"
+        )
+    for group in lora["targets"]:
+        if not _matches(model, group):
+            raise UsageError(
+                f"train.lora.targets: {group!r} matches no weight of this model "
+                f"({type(model).__name__}); drop it from the list"
+            )
+    if lora["dropout"] and set(lora["targets"]) - {"attention"}:
+        # PEFT's parameter adapters add B A to the weight itself, where dropout has no input.
+        raise UsageError(
+            f"train.lora.dropout: {lora['dropout']} works on the attention target only "
+            "(the MLP adapters are merged into their weights); set it to 0 or target attention only"
+        )
+
+
+def peft_config(lora: dict) -> Any:
+    from peft import LoraConfig
+
+    modules = [m for g in lora["targets"] for m in GROUPS[g].get("modules", [])]
+    params = [p for g in lora["targets"] for p in GROUPS[g].get("parameters", [])]
+    return LoraConfig(
+        r=lora["rank"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        target_modules=modules or None,
+        target_parameters=params or None,
+        bias="none",
+    )
+
+
+def attach(model: Any, lora: dict) -> Any:
+    """`model` (an HF DeepSeek model) with fresh LoRA adapters, base weights frozen: a PEFT model
+    whose adapters are its only trainable parameters. B starts at zero, so the adapted model
+    computes what the base does until the first step."""
+    from peft import get_peft_model
+
+    check(model, lora)
+    return get_peft_model(model, peft_config(lora))
+
+
+def save_adapter(peft_model: Any, out: str, state_dict: dict | None = None) -> None:
+    """The adapter alone (adapter_config.json + adapter_model.safetensors): PEFT's
+    `PeftModel.from_pretrained(base, out)` puts it back on the base model."""
+    peft_model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+
+
+def merged(peft_model: Any) -> Any:
+    """The base model with every adapter added into its weights: a plain transformers model."""
+    return peft_model.merge_and_unload()
+
+
+def trainable_summary(model: Any) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"{trainable:,} trainable of {total:,} parameters ({trainable / max(total, 1):.2%})"
