@@ -121,3 +121,15 @@ def test_bad_lora_settings_are_one_line(change, overrides, needle):
 def test_attention_only_takes_dropout():
     peft_model = lora.attach(_base(), {**ALL, "targets": ["attention"], "dropout": 0.1})
     assert "trainable" in lora.trainable_summary(peft_model)
+
+
+@pytest.mark.parametrize(
+    "targets", [["attention"], ["dense_mlp", "shared_experts"], list(lora.GROUPS)]
+)
+@pytest.mark.parametrize("q_lora_rank", [None, 48])
+def test_planner_counts_equal_the_adapters_peft_creates(targets, q_lora_rank):
+    config = model_config("tiny", VOCAB, {"q_lora_rank": q_lora_rank})
+    setting = {**ALL, "targets": targets}
+    peft_model = lora.attach(build_model(config, device_type="cpu"), setting)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert lora.counts(config, setting)["adapter"] == trainable

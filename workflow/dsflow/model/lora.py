@@ -105,6 +105,53 @@ def merged(peft_model: Any) -> Any:
     return peft_model.merge_and_unload()
 
 
+def _linears(config: Any) -> dict[str, list[tuple[int, int, int]]]:
+    """Per group, the adapted weights of one model as (in, out, copies): an adapter is
+    rank x (in + out) per copy (a routed expert is one copy of its gate/up and down)."""
+    from dsflow.model import presets
+
+    d = presets._dims(config)
+    H, heads, L = d["H"], d["heads"], d["L"]
+    attn = [(H, d["kv_lora"] + d["rope"], L), (d["kv_lora"], heads * (d["nope"] + d["v"]), L)]
+    attn.append((heads * d["v"], H, L))
+    if d["q_lora"]:
+        attn += [(H, d["q_lora"], L), (d["q_lora"], heads * d["qk"], L)]
+    else:
+        attn.append((H, heads * d["qk"], L))
+    dense, mi, moe = d["inter"], d["mi"], d["n_moe"]
+    shared = mi * d["shared"]
+    return {
+        "attention": attn,
+        "dense_mlp": [(H, dense, 2 * d["n_dense"]), (dense, H, d["n_dense"])],
+        "shared_experts": [(H, shared, 2 * moe), (shared, H, moe)] if shared else [],
+        "experts": [(H, 2 * mi, d["E"] * moe), (mi, H, d["E"] * moe)],
+    }
+
+
+def counts(config: Any, lora: dict) -> dict[str, int]:
+    """Analytic sizes for the planner: ``adapter``, the trainable parameters (what PEFT
+    creates); ``merged``, the base weight elements that parameter adapters replace with
+    W + B A in every forward, a copy that the matmul keeps for backward (``merged_layer``: in
+    the decoder layer with the most)."""
+    from dsflow.model import presets
+
+    d = presets._dims(config)
+    shapes = _linears(config)
+    adapter, merged = 0, {"dense_mlp": 0, "shared_experts": 0, "experts": 0}
+    for group in lora["targets"]:
+        for fan_in, fan_out, copies in shapes[group]:
+            adapter += lora["rank"] * (fan_in + fan_out) * copies
+            if group in merged:
+                merged[group] += fan_in * fan_out * copies
+    moe_layer = (merged["shared_experts"] + merged["experts"]) // max(d["n_moe"], 1)
+    dense_layer = merged["dense_mlp"] // max(d["n_dense"], 1)
+    return {
+        "adapter": adapter,
+        "merged": sum(merged.values()),
+        "merged_layer": max(moe_layer, dense_layer),
+    }
+
+
 def trainable_summary(model: Any) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())

@@ -131,6 +131,11 @@ class Setup:
     fused_optimizer: bool = False
     offload_device: str = "cpu"
     nodes: int = 1  # machines: each host holds world / nodes ranks
+    # LoRA (dsflow.model.lora.counts): trainable adapter parameters (0: a full fine-tune, every
+    # parameter trains) and the base weight elements its parameter adapters copy per forward.
+    lora_adapter: int = 0
+    lora_merged: int = 0
+    lora_merged_layer: int = 0  # the same in the decoder layer that has the most
 
     @property
     def ranks_per_node(self) -> int:
@@ -334,14 +339,18 @@ def _check(setup: Setup) -> None:
 
 
 def _model_states(P: int, s: Setup) -> tuple[dict[str, int], dict[str, int]]:
-    """(per-GPU, per-rank host) bytes of weights, gradients and optimizer states."""
+    """(per-GPU, per-rank host) bytes of weights, gradients and optimizer states. Under LoRA
+    every weight is held as in a full fine-tune (frozen, in the training dtype), and gradients
+    and optimizer states exist for the adapters only."""
     w = bytes_per_element(s.precision)  # weight and gradient bytes
     fp32, z = s.precision == "fp32", s.zero_stage
-    part = _ceil_div(P, s.world)  # this rank's partition
     if z == 3:
-        weights = 0 if s.offload_params else w * part
+        weights = 0 if s.offload_params else w * _ceil_div(P, s.world)
     else:
         weights = w * P
+    offloaded_params = w * _ceil_div(P, s.world)
+    P = s.lora_adapter or P  # what trains
+    part = _ceil_div(P, s.world)  # this rank's partition of it
     if z <= 1:
         grads = w * P
     else:
@@ -370,7 +379,7 @@ def _model_states(P: int, s: Setup) -> tuple[dict[str, int], dict[str, int]]:
             host["parameters"] += w * part
         master = adam = grads_fp32 = 0
     if s.offload_params:
-        host["parameters"] += w * part
+        host["parameters"] += offloaded_params
     gpu = {"weights": weights, "gradients": grads, "optimizer": master + adam}
     return {**gpu, "gradients_fp32_step": grads_fp32}, host
 
@@ -432,6 +441,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "offload_device": setup.offload_device,
         "nodes": setup.nodes,
         "vocab_size": int(config.vocab_size),
+        "lora_adapter": setup.lora_adapter,
     }
 
 
@@ -458,7 +468,11 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         seq_aux=setup.seq_aux,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
-    work = _working_sets(P, shapes, acts[peak], setup)
+    # Parameter adapters' W + B A copies live from a layer's forward to its backward: every
+    # layer's at once, or one recomputed layer's with activation checkpointing.
+    merged = setup.lora_merged_layer if setup.activation_checkpointing else setup.lora_merged
+    acts["lora_merged"] = bytes_per_element(setup.precision) * merged
+    work = _working_sets(P, shapes, acts[peak] + acts["lora_merged"], setup)
     persistent = states["weights"] + states["gradients"] + states["optimizer"]
     fwd_bwd = sum(work.values())
     step = states["gradients_fp32_step"]
@@ -467,7 +481,8 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
     overhead = oh.gpu_fixed_bytes + int(oh.gpu_fraction * allocated)
     # Host: every rank builds the model in fp32 on CPU (dsflow.model.build) before DeepSpeed
     # casts it and moves it to the GPU; offloaded states replace it afterwards.
-    init_per_rank = 4 * P
+    # LoRA loads its frozen base in the training dtype (dsflow.train.engine).
+    init_per_rank = (bytes_per_element(setup.precision) if setup.lora_adapter else 4) * P
     host_per_rank = max(init_per_rank, sum(host.values())) + oh.host_per_rank_bytes
     gpu = {
         **states,
