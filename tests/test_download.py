@@ -1,7 +1,9 @@
 import json
 import math
 import os
+import random
 import shutil
+import tracemalloc
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -192,7 +194,7 @@ def lines_of_text(n: int) -> str:
 def file_docs(paths, split_by, chunk_bytes=8192, field="text") -> list[str]:
     cfg = {"paths": [str(p) for p in paths], "split_by": split_by}
     cfg.update(chunk_bytes=chunk_bytes, text_field=field)
-    return [d["text"] for d in FileSource(cfg).documents()]
+    return [d.decode() for docs, _ in FileSource(cfg).batches() for d in docs]
 
 
 def test_split_by_cuts_files_into_paragraphs_lines_or_chunks(tmp_path):
@@ -225,6 +227,84 @@ def test_documents_do_not_depend_on_the_read_block_size(tmp_path, monkeypatch, s
     monkeypatch.setattr(textfiles, "BLOCK", 97)  # blocks end inside lines, paragraphs, chunks
     assert file_docs([path], split_by, chunk_bytes=300) == whole
     assert len(whole) > 20
+
+
+@pytest.mark.parametrize("split_by", ["paragraph", "line"])
+def test_cutting_does_not_depend_on_where_blocks_end(tmp_path, monkeypatch, split_by):
+    """Blank lines, line ends and whitespace runs of every shape, cut by blocks of every size."""
+    rng = random.Random(0)
+    pieces = ["word", "b c", " ", "\t", "\n", "\n", "\r\n", "\n \n"]
+    path = tmp_path / "mixed.txt"
+    path.write_text("".join(rng.choice(pieces) for _ in range(3000)))
+    whole = file_docs([path], split_by)
+    assert len(whole) > 100
+    for block in (1, 2, 3, 7, 64):
+        monkeypatch.setattr(textfiles, "BLOCK", block)
+        assert file_docs([path], split_by) == whole, block
+
+
+@pytest.mark.parametrize("split_by", ["paragraph", "line"])
+def test_a_document_with_no_end_stops_the_read_early_in_bounded_memory(
+    tmp_path, monkeypatch, split_by
+):
+    """24 MB with no blank line (paragraph) or no line end (line): the read stops once the
+    unfinished document outgrows MAX_DOC_BYTES, holding a few blocks, not the file."""
+    monkeypatch.setattr(textfiles, "BLOCK", 1 << 18)
+    monkeypatch.setattr(textfiles, "MAX_DOC_BYTES", 1 << 20, raising=False)
+    path = tmp_path / "dump.txt"
+    line = "a line of one paragraph that never ends\n" if split_by == "paragraph" else "word "
+    path.write_text("head\n\n" + line * (24_000_000 // len(line)))
+    tracemalloc.start()
+    try:
+        with pytest.raises(UsageError) as err:
+            file_docs([path], split_by)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20
+    assert str(path) in str(err.value) and "longer than 1048576 bytes at byte 6;" in str(err.value)
+    assert "set download.files.split_by: chunk" in str(err.value)
+
+
+class CountingPattern:
+    """A compiled pattern that counts the bytes its searches start on."""
+
+    def __init__(self, pattern):
+        self.pattern, self.scanned = pattern, 0
+
+    def finditer(self, data, pos=0):
+        self.scanned += len(data) - pos
+        return self.pattern.finditer(data, pos)
+
+
+def test_a_long_paragraph_is_searched_once_not_once_per_block(tmp_path, monkeypatch):
+    """Paragraphs of 500 KB read 16 KB at a time: each byte is searched for a blank line about
+    once (a search from the paragraph's start at every block was quadratic)."""
+    paragraphs = [f"paragraph {i}\n" + "a line in it\n" * 40_000 for i in range(16)]
+    path = tmp_path / "long.txt"
+    path.write_text("\n".join(paragraphs))
+    counter = CountingPattern(textfiles.PARAGRAPH_BREAK)
+    monkeypatch.setattr(textfiles, "PARAGRAPH_BREAK", counter)
+    monkeypatch.setattr(textfiles, "BLOCK", 1 << 14)
+    assert file_docs([path], "paragraph") == [p.strip() for p in paragraphs]
+    assert counter.scanned < 1.2 * path.stat().st_size
+
+
+def test_documents_longer_than_the_limit_name_the_file_and_where(tmp_path, monkeypatch):
+    monkeypatch.setattr(textfiles, "MAX_DOC_BYTES", 1000)
+    path = tmp_path / "whole.txt"
+    path.write_text("x" * 999 + "\n")
+    assert file_docs([path], "file") == ["x" * 999 + "\n"]
+    path.write_text("x" * 1000 + "\n")
+    with pytest.raises(UsageError, match=r"whole.txt: a document longer than 1000 bytes \(1001"):
+        file_docs([path], "file")
+    rec = tmp_path / "r.jsonl"
+    rec.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "y" * 1001}) + "\n")
+    with pytest.raises(
+        UsageError, match=r"r.jsonl: a document .* in the record at line 2; .*chunk"
+    ):
+        file_docs([rec], "auto")
+    assert len(file_docs([rec], "chunk", chunk_bytes=500)) == 4
 
 
 def test_one_big_txt_file_works_with_the_defaults(project, tmp_path):

@@ -1,11 +1,13 @@
 """The `files` source: local .txt, .jsonl and .parquet files -> document texts.
 
 Files are read with plain buffered reads in blocks of `BLOCK` bytes, so memory stays bounded by
-the block size (not the file or corpus size) and a file costs one open and a few reads: no
-per-file framework setup. `download.files.split_by` says how a text becomes documents:
+the block size and the largest document (`MAX_DOC_BYTES`), not the file or corpus size, and a
+file costs one open and a few reads: no per-file framework setup. Documents come out in batches
+of UTF-8 bytes, validated and cleaned, so the writer never converts them back from str.
+`download.files.split_by` says how a text becomes documents:
 
 - `auto`: a .txt file is cut like `chunk`; a .jsonl or .parquet record is one document.
-- `file`: a .txt file (or a record) is one document; the whole file is held in memory.
+- `file`: a .txt file (or a record) is one document.
 - `paragraph`: runs of non-blank lines, separated by blank lines, each stripped.
 - `line`: each line without its line ending.
 - `chunk`: pieces of at most `chunk_bytes` bytes that end at a line end; a longer line is cut at a
@@ -29,6 +31,11 @@ from dsflow.errors import UsageError
 from dsflow.progress import bar
 
 BLOCK = 8 << 20
+# The most one document may hold. A paragraph or line waiting for its end is held whole, and the
+# writer and tokenize hold whole documents; past this the file is not cut the way split_by says.
+MAX_DOC_BYTES = 8 << 20
+# A record batch ends at this many documents or BLOCK bytes, whichever comes first.
+BATCH_DOCS = 1024
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 # A newline, then one or more lines holding only whitespace: the end of a paragraph.
 PARAGRAPH_BREAK = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
@@ -92,6 +99,15 @@ def decode(path: str, data: bytes, offset: int) -> str:
         ) from None
 
 
+def too_long(path: str, split_by: str, where: str) -> UsageError:
+    unit = {"paragraph": "paragraph (no blank line)", "line": "line"}.get(split_by, "document")
+    return UsageError(
+        f"{path}: a {unit} longer than {MAX_DOC_BYTES} bytes {where}; a document holds at most "
+        f"{MAX_DOC_BYTES >> 20} MB: set download.files.split_by: chunk (pieces of "
+        "download.files.chunk_bytes, cut at line ends)"
+    )
+
+
 def cut_chunks(data: bytes, chunk_bytes: int, final: bool) -> tuple[list[tuple[int, int]], int]:
     """(start, end) pieces of `data` of at most `chunk_bytes`, ending after a newline where the
     piece has one; the offset where the unfinished rest starts (all of it when `final`)."""
@@ -112,29 +128,46 @@ def cut_chunks(data: bytes, chunk_bytes: int, final: bool) -> tuple[list[tuple[i
     return spans, pos
 
 
-def cut_separated(data: bytes, split_by: str, final: bool) -> tuple[list[tuple[int, int]], int]:
-    """(start, end) paragraphs or lines of `data`; where the unfinished rest starts."""
+def cut_separated(
+    data: bytes, split_by: str, final: bool, scan: int = 0
+) -> tuple[list[tuple[int, int]], int]:
+    """(start, end) paragraphs or lines of `data`; where the unfinished rest starts. The search
+    for separators starts at `scan`: the caller knows no separator starts before it, so a long
+    document is searched once, not once per block read."""
     spans, pos = [], 0
     if split_by == "paragraph":
-        for m in PARAGRAPH_BREAK.finditer(data):
+        for m in PARAGRAPH_BREAK.finditer(data, scan):
             spans.append((pos, m.start()))
             pos = m.end()
     else:
-        while (nl := data.find(b"\n", pos)) >= 0:
+        nl = data.find(b"\n", scan)
+        while nl >= 0:
             spans.append((pos, nl))
             pos = nl + 1
+            nl = data.find(b"\n", pos)
     if final and pos < len(data):
         spans.append((pos, len(data)))
         pos = len(data)
     return spans, pos
 
 
-def cut(data: bytes, split_by: str, chunk_bytes: int, final: bool):
+def cut(data: bytes, split_by: str, chunk_bytes: int, final: bool, scan: int = 0):
     if split_by in ("chunk", "auto"):
         return cut_chunks(data, chunk_bytes, final)
     if split_by == "file":
         return ([(0, len(data))], len(data)) if final else ([], 0)
-    return cut_separated(data, split_by, final)
+    return cut_separated(data, split_by, final, scan)
+
+
+def resume_at(rest: bytes, split_by: str) -> int:
+    """Where the separator search resumes once `rest`, the unfinished document, gets the next
+    block: it holds no line end (line), or no blank line, though one may start at its last
+    line end (paragraph)."""
+    if split_by == "line":
+        return len(rest)
+    if split_by == "paragraph":
+        return max(rest.rfind(b"\n"), 0)
+    return 0
 
 
 def clean(text: str, split_by: str) -> str:
@@ -146,26 +179,50 @@ def clean(text: str, split_by: str) -> str:
     return text
 
 
-def txt_texts(path: str, size: int, split_by: str, chunk_bytes: int, progress) -> Iterator[str]:
-    """The documents of one .txt file, read in blocks; only `file` holds the whole file."""
+def documents(path: str, data: bytes, spans, base: int, split_by: str) -> list[bytes]:
+    """The non-blank documents of `data`'s spans as cleaned UTF-8 bytes; `base` is the file
+    offset of data[0], for the messages. A piece that cleaning leaves as it is stays the same
+    bytes object: no re-encoding."""
+    docs = []
+    for start, end in spans:
+        if end - start > MAX_DOC_BYTES:
+            raise too_long(path, split_by, f"at byte {base + start}")
+        piece = data[start:end]
+        text = decode(path, piece, base + start)
+        kept = clean(text, split_by)
+        if kept and not kept.isspace():
+            docs.append(piece if len(kept) == len(text) else kept.encode("utf-8"))
+    return docs
+
+
+def txt_batches(path: str, size: int, split_by: str, chunk_bytes: int, progress):
+    """The documents of one .txt file, a block at a time. Each block is searched once: the
+    unfinished rest carried to the next block is at most MAX_DOC_BYTES, and its search resumes
+    where it stopped, so time is linear in the file and memory bounded by BLOCK + MAX_DOC_BYTES."""
+    if split_by == "file" and size > MAX_DOC_BYTES:
+        raise too_long(path, split_by, f"({size} bytes, download.files.split_by: file)")
     with open(path, "rb") as f:
-        data = f.read() if split_by == "file" or size <= BLOCK else f.read(BLOCK)
+        data = f.read(size if split_by == "file" else BLOCK)
         check_text_start(path, data)
-        base = 0  # the file offset of data[0]
+        base, scan = 0, 0  # the file offset of data[0]; where the separator search resumes
         while True:
             block = f.read(BLOCK) if base + len(data) < size else b""
             final = not block
-            spans, keep = cut(data, split_by, chunk_bytes, final)
-            for start, end in spans:
-                yield clean(decode(path, data[start:end], base + start), split_by)
+            spans, keep = cut(data, split_by, chunk_bytes, final, scan)
+            yield documents(path, data, spans, base, split_by)
             progress.update(keep)
             if final:
                 return
+            rest = data[keep:]
+            if len(rest) > MAX_DOC_BYTES:
+                raise too_long(path, split_by, f"at byte {base + keep}")
             base += keep
-            data = data[keep:] + block
+            scan = resume_at(rest, split_by)
+            data = rest + block
 
 
-def jsonl_texts(path: str, field: str, progress) -> Iterator[str]:
+def jsonl_records(path: str, field: str, progress) -> Iterator[tuple[str, str]]:
+    """(where, text) of each record of a .jsonl file."""
     with open(path, "rb") as f:
         offset = 0
         for lineno, line in enumerate(f, 1):
@@ -183,7 +240,7 @@ def jsonl_texts(path: str, field: str, progress) -> Iterator[str]:
                     f"{path}: line {lineno}: not valid JSON ({e.msg}); .jsonl holds one JSON "
                     "object per line"
                 ) from None
-            yield record_text(path, record, field, f"line {lineno}")
+            yield f"line {lineno}", record_text(path, record, field, f"line {lineno}")
 
 
 def record_text(path: str, record, field: str, where: str) -> str:
@@ -199,7 +256,8 @@ def record_text(path: str, record, field: str, where: str) -> str:
     return text
 
 
-def parquet_texts(path: str, field: str, progress) -> Iterator[str]:
+def parquet_records(path: str, field: str, progress) -> Iterator[tuple[str, str]]:
+    """(where, text) of each record of a .parquet file."""
     pf = pq.ParquetFile(path)
     schema = pf.schema_arrow
     if field not in schema.names:
@@ -211,19 +269,35 @@ def parquet_texts(path: str, field: str, progress) -> Iterator[str]:
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise UsageError(f"{path}: field {field!r} holds {kind}, not text")
     per_group = os.path.getsize(path) // max(pf.num_row_groups, 1)
+    row = 0
     for group in range(pf.num_row_groups):
         for batch in pf.iter_batches(batch_size=1024, row_groups=[group], columns=[field]):
-            yield from (t for t in batch.column(0).to_pylist() if t is not None)
+            for text in batch.column(0).to_pylist():
+                row += 1
+                if text is not None:
+                    yield f"row {row}", text
         progress.update(per_group)
 
 
-def resplit(text: str, split_by: str, chunk_bytes: int) -> list[str]:
-    """A record's text cut as `split_by` says (records are documents under auto and file)."""
-    if split_by in ("auto", "file"):
-        return [text]
-    data = text.encode("utf-8")
-    spans, _ = cut(data, split_by, chunk_bytes, final=True)
-    return [clean(data[s:e].decode("utf-8"), split_by) for s, e in spans]
+def record_batches(path: str, records, split_by: str, chunk_bytes: int) -> Iterator[list[bytes]]:
+    """The records' documents (a record is one under auto and file), at most BATCH_DOCS
+    documents or BLOCK bytes a batch."""
+    docs: list[bytes] = []
+    size = 0
+    for where, text in records:
+        data = text.encode("utf-8")
+        if split_by in ("auto", "file"):
+            spans = [(0, len(data))]
+        else:
+            spans, _ = cut(data, split_by, chunk_bytes, final=True)
+        if any(end - start > MAX_DOC_BYTES for start, end in spans):
+            raise too_long(path, split_by, f"in the record at {where}")
+        docs += documents(path, data, spans, 0, split_by)
+        size += len(data)
+        if len(docs) >= BATCH_DOCS or size >= BLOCK:
+            yield docs
+            docs, size = [], 0
+    yield docs
 
 
 class FileSource:
@@ -238,26 +312,35 @@ class FileSource:
         self.kinds = [check_file(p) for p in self.paths]
         self.total = sum(size for _, size in self.files)
 
-    def texts(self, path: str, size: int, ext: str, progress) -> Iterator[str]:
+    def file_batches(self, path: str, size: int, ext: str, progress) -> Iterator[list[bytes]]:
         if ext == ".txt":
-            return txt_texts(path, size, self.split_by, self.chunk_bytes, progress)
+            return txt_batches(path, size, self.split_by, self.chunk_bytes, progress)
         records = (
-            parquet_texts(path, self.field, progress)
+            parquet_records(path, self.field, progress)
             if ext == ".parquet"
-            else jsonl_texts(path, self.field, progress)
+            else jsonl_records(path, self.field, progress)
         )
-        return (t for r in records for t in resplit(r, self.split_by, self.chunk_bytes))
+        return record_batches(path, records, self.split_by, self.chunk_bytes)
 
-    def documents(self) -> Iterator[dict]:
-        """{"text", "origin"} per non-blank document; a file with none is an error."""
+    def batches(self) -> Iterator[tuple[list[bytes], list[str]]]:
+        """(documents, the file each comes from): non-blank, as UTF-8 bytes, in file order,
+        small files' documents together, about BATCH_DOCS documents or BLOCK bytes a batch. A
+        file with no document is an error."""
+        docs: list[bytes] = []
+        origins: list[str] = []
+        held = 0
         with bar(desc="download", total=self.total, unit="B") as progress:
             for (path, size), ext in zip(self.files, self.kinds, strict=True):
                 found = False
                 try:
-                    for text in self.texts(path, size, ext, progress):
-                        if text.strip():
-                            found = True
-                            yield {"text": text, "origin": path}
+                    for part in self.file_batches(path, size, ext, progress):
+                        found = found or bool(part)
+                        docs += part
+                        origins += [path] * len(part)
+                        held += sum(map(len, part))
+                        if len(docs) >= BATCH_DOCS or held >= BLOCK:
+                            yield docs, origins
+                            docs, origins, held = [], [], 0
                 except PermissionError:
                     raise UsageError(
                         f"{path}: cannot read the file (check its permissions)"
@@ -267,3 +350,5 @@ class FileSource:
                         f"{path}: no non-empty document (the file is empty or only whitespace); "
                         "remove it from download.files.paths"
                     )
+        if docs:
+            yield docs, origins
