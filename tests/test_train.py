@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import dsflow, update_params
 
@@ -230,3 +231,87 @@ def test_logging_a_step_does_not_reread_the_run_so_far(tmp_path, monkeypatch):
     assert len(rows) == 31 and rows[-1].split("\t")[0] == "30"
     summary = json.loads((tmp_path / "dvclive/metrics.json").read_text())
     assert summary["step"] == 30 and summary["train"]["loss"] == pytest.approx(1 / 30)
+
+
+LORA = {"finetune": "lora", "lora": {"rank": 4, "alpha": 8, "targets": ["attention", "experts"]}}
+
+
+def _lora_run(prepared, baseline, repo, check=True, env=None, **train):
+    overlay = {
+        "model": {"pretrained": str(baseline / "models/final")},
+        "train": {**LORA, "max_steps": 6, "checkpoint_every": 3, "eval_every": 6, **train},
+    }
+    return trained_copy(prepared, repo, overlay, env=env, check=check)
+
+
+def _tensors(folder, name="model.safetensors"):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / name))
+
+
+def test_lora_trains_adapters_only_and_resumes_bit_exactly(prepared, baseline, tmp_path):
+    """LoRA on 3 ranks (ZeRO-2): the merged model differs from its base only in the adapted
+    weights and the routers' balancing biases; the adapter loads with PEFT on the base and gives
+    the merged model's loss; a killed run resumes to the same losses."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    proc = _lora_run(prepared, baseline, whole)
+    assert "LoRA:" in proc.stderr and "trainable of" in proc.stderr
+    base, tuned = _tensors(baseline / "models/final"), _tensors(whole / "models/final")
+    assert set(base) == set(tuned)
+    changed = {k for k in base if not torch.equal(base[k], tuned[k])}
+    adapted = ("self_attn.q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "mlp.experts.")
+    assert changed and all(
+        any(a in k for a in adapted) or "e_score_correction_bias" in k for k in changed
+    ), sorted(changed)[:5]
+    assert any("e_score_correction_bias" in k for k in changed)  # the balancer still balances
+    assert not any("embed_tokens" in k or "norm" in k for k in changed)
+
+    out = subprocess.run(
+        [sys.executable, "-c", EVAL_ADAPTER, str(baseline / "models/final")],
+        cwd=whole,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    merged, adapter = map(float, out.stdout.split()[-2:])
+    assert adapter == pytest.approx(merged, rel=1e-5)
+
+    proc = _lora_run(
+        prepared,
+        baseline,
+        killed,
+        check=False,
+        env={"DSFLOW_FAULT_STEP": "5", "DSFLOW_FAULT_RANK": "2"},
+    )
+    assert proc.returncode == 2
+    proc = _lora_run(prepared, baseline, killed)
+    assert "resumed from step 3" in proc.stderr
+    assert losses(killed) == losses(whole)
+
+
+EVAL_ADAPTER = r"""
+import sys
+import torch
+from transformers import AutoModelForCausalLM
+from dsflow.data.shards import ShardReader
+from dsflow.model import lora
+from dsflow.model.loss import evaluate_loss
+def loss(model):
+    reader = ShardReader("data/shards/val", 64, seed=1234)
+    total, count = evaluate_loss(model, reader, micro=2, device=torch.device("cpu"), max_windows=8)
+    return total / count
+merged = AutoModelForCausalLM.from_pretrained("models/final")
+print(loss(merged), loss(lora.load(sys.argv[1], "models/final/adapter").eval()))
+"""
+
+
+def test_lora_under_zero3(prepared, baseline, tmp_path):
+    repo = tmp_path / "zero3"
+    overlay = {"zero_stage": 3, "max_steps": 3, "checkpoint_every": 3, "eval_every": 3}
+    _lora_run(prepared, baseline, repo, **overlay)
+    adapter = _tensors(repo / "models/final/adapter", "adapter_model.safetensors")
+    assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)
+    base, tuned = _tensors(baseline / "models/final"), _tensors(repo / "models/final")
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert not torch.equal(base[name], tuned[name])

@@ -24,6 +24,10 @@ from typing import Any
 
 from dsflow.errors import UsageError
 
+ADAPTER = "adapter"  # the adapter's folder inside the merged model's (models/final/adapter)
+BIASES = "router_biases.safetensors"  # beside PEFT's files in the adapter folder
+BIAS = "e_score_correction_bias"
+
 GROUPS: dict[str, dict[str, list[str]]] = {
     "attention": {
         "modules": ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -98,6 +102,51 @@ def save_adapter(peft_model: Any, out: str, state_dict: dict | None = None) -> N
     """The adapter alone (adapter_config.json + adapter_model.safetensors): PEFT's
     `PeftModel.from_pretrained(base, out)` puts it back on the base model."""
     peft_model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+
+
+def save_final(peft_model: Any, base: str, out: Any, tokenizer: Any, dtype: str) -> None:
+    """`out` (atomically): the merged model as a plain HF folder, and its adapter in
+    `out`/adapter. The merge starts from the base checkpoint `base` reloaded in `dtype` with the
+    saved adapter put back on it (:func:`load`), so every run proves its adapter loads."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from dsflow.atomic import atomic_dir
+
+    biases = {
+        name: buf.detach().cpu().clone()
+        for name, buf in peft_model.get_base_model().named_buffers()
+        if name.endswith(BIAS)
+    }
+    with atomic_dir(out) as tmp:
+        adapter = Path(tmp) / ADAPTER
+        save_adapter(peft_model, str(adapter))
+        if biases:
+            save_file(biases, str(adapter / BIASES))
+        merged(load(base, adapter, dtype)).save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
+
+
+def load(base: str, adapter: Any, dtype: str | None = None) -> Any:
+    """The adapted model: base checkpoint `base` with PEFT's `PeftModel.from_pretrained(base,
+    adapter)`, and the routers' balancing biases as the run left them (they are buffers, which
+    the balancer moves during LoRA training and PEFT's adapter does not hold)."""
+    from pathlib import Path
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from dsflow.model.build import build_model, load_checkpoint_config
+
+    fresh = build_model(
+        load_checkpoint_config(base), device_type="cpu", pretrained=base, dtype=dtype
+    )
+    biases = Path(adapter) / BIASES
+    if biases.exists():
+        fresh.load_state_dict(load_file(str(biases)), strict=False)
+    return PeftModel.from_pretrained(fresh, adapter)
 
 
 def merged(peft_model: Any) -> Any:

@@ -36,6 +36,7 @@ class Run:
     device: torch.device
     rank: int
     world: int
+    adapter: Any = None  # train.finetune lora: the PEFT model around `model` (its adapters)
 
     @property
     def cuda(self) -> bool:
@@ -83,6 +84,7 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
     np.random.seed(spec.seed)
     torch.manual_seed(spec.seed)
     model = _model(spec, device.type)
+    adapter = _adapter(model, spec, rank)
     balancer = ExpertBalancer(
         model, gamma=spec.balance["gamma"], seq_aux_alpha=spec.balance["seq_aux_alpha"]
     )
@@ -103,12 +105,29 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
     _install_fused_grad_checks(engine, perf, rank)
     # DeepSpeed broadcasts parameters at start-up, not buffers: give every rank rank 0's biases.
     balancer.sync_bias()
-    return Run(engine, model, balancer, perf, optimizer, device, rank, spec.world)
+    return Run(engine, model, balancer, perf, optimizer, device, rank, spec.world, adapter)
 
 
 def _model(spec: RunSpec, device_type: str) -> Any:
     config = model_config(spec.model["preset"], spec.vocab_size, spec.model["overrides"])
-    return build_model(config, device_type=device_type, pretrained=spec.model["pretrained"])
+    # LoRA's base stays frozen, so it needs no fp32 copy: load it as DeepSpeed will hold it.
+    dtype = spec.precision if spec.lora_on else None
+    return build_model(
+        config, device_type=device_type, pretrained=spec.model["pretrained"], dtype=dtype
+    )
+
+
+def _adapter(model: Any, spec: RunSpec, rank: int) -> Any:
+    """train.finetune lora: PEFT adapters injected into `model` in place (the model object,
+    its forward and the fast paths stay the same); None for a full fine-tune."""
+    if not spec.lora_on:
+        return None
+    from dsflow.model import lora
+
+    adapter = lora.attach(model, spec.lora)
+    if rank == 0:
+        print(f"[dsflow train] LoRA: {lora.trainable_summary(model)}", file=sys.stderr)
+    return adapter
 
 
 def _gather_moe_blocks_whole(model: Any) -> None:

@@ -8,6 +8,7 @@ checkpoints when due, and at the end models/final and metrics/train.json.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -171,11 +172,15 @@ def finish_run(run: engine.Run, spec: RunSpec, meter: Meter, wall_s: float) -> i
     assert meter.pending is None, "the last step is always read at once"
     if meter.val_loss is None:
         meter.val_loss = meter.validate()
+    if run.adapter is not None:
+        _save_lora(run, spec)
     # ZeRO-3: every rank takes part in gathering the full weights, rank 0 keeps them.
-    weights = run.engine._zero3_consolidated_16bit_state_dict() if spec.zero3 else None
+    whole = spec.zero3 and run.adapter is None
+    weights = run.engine._zero3_consolidated_16bit_state_dict() if whole else None
     if run.rank == 0:
         meter.close()
-        save_hf(run.model, FINAL, TOKENIZER, weights)
+        if run.adapter is None:
+            save_hf(run.model, FINAL, TOKENIZER, weights)
         health = meter.health
         summary = {
             **hardware(run, spec, meter.device_name),
@@ -187,6 +192,22 @@ def finish_run(run: engine.Run, spec: RunSpec, meter: Meter, wall_s: float) -> i
         write_metrics(spec, meter.history, counts, meter.val_loss, meter.loss, wall_s, summary)
     dist.barrier()
     return 0
+
+
+def _save_lora(run: engine.Run, spec: RunSpec) -> None:
+    """models/final merged, and its adapter; ZeRO-3 gathers the adapters on every rank."""
+    from dsflow.model import lora
+
+    trained = [p for p in run.model.parameters() if p.requires_grad]
+    gathered = contextlib.nullcontext()
+    if spec.zero3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(trained)
+    with gathered:
+        if run.rank == 0:
+            base = spec.model["pretrained"]
+            lora.save_final(run.adapter, base, FINAL, TOKENIZER, spec.precision)
 
 
 def hardware(run: engine.Run, spec: RunSpec, device_name: str) -> dict:

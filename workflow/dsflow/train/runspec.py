@@ -36,6 +36,8 @@ class RunSpec:
     resume: str | None  # the checkpoint tag to resume from (validated by the train stage)
     data_verified: bool  # the train stage checked every shard's sha256 just before launch
     model: dict  # params.yaml's model section: preset, overrides, pretrained
+    finetune: str  # train.finetune: "full" | "lora"
+    lora: dict  # train.lora: rank, alpha, dropout, targets
     optimizer: dict  # train.optimizer: lr, betas, eps, weight_decay
     balance: dict  # train.balance: gamma, seq_aux_alpha
     perf: dict  # the fast paths, resolved by the train stage (model.fastpaths.Perf fields)
@@ -67,6 +69,8 @@ class RunSpec:
             resume=run.get("resume"),
             data_verified=run.get("data_verified", False),
             model=params["model"],
+            finetune=train.get("finetune", "full"),
+            lora=train.get("lora", {}),
             optimizer=train["optimizer"],
             balance=train["balance"],
             perf=run["perf"],
@@ -88,6 +92,10 @@ class RunSpec:
         when a rank's own stage planned a different run."""
         box = shared_files(device)
         return None if box is None else cls.from_files(*box)
+
+    @property
+    def lora_on(self) -> bool:
+        return self.finetune == "lora"
 
     @property
     def zero3(self) -> bool:
