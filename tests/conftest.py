@@ -37,6 +37,16 @@ SMALL_PARAMS = {
 }
 
 
+def tiny_v2(**extra) -> dict:
+    """model_config overrides that make the deepseek-v2-lite preset (the DeepSeek-V2 family)
+    the tiny preset's shape: V2's router and balance loss at CPU-test size."""
+    from dsflow.model.presets import PRESETS
+
+    skip = ("description", "num_mtp_layers", "norm_topk_prob")
+    shape = {k: v for k, v in PRESETS["tiny"].items() if k not in skip}
+    return {**shape, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **extra}
+
+
 def tiny_run(gpus: int, steps: int, **train) -> dict:
     """A params overlay for a short fp32 run of the tiny preset on `gpus` CPU ranks, validated
     and checkpointed at the last step; `train` overrides any train key."""

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import tiny_v2
 from dsflow.model.flops import (
     GPU_PEAK_TFLOPS,
     flops_per_token,
@@ -11,7 +12,7 @@ from dsflow.model.flops import (
     mfu_peak,
     peak_flops,
 )
-from dsflow.model.presets import PRESETS, model_config
+from dsflow.model.presets import PRESETS, model_config, param_counts
 
 V = 1000
 
@@ -71,6 +72,29 @@ def test_deepseek_v3_order_of_magnitude():
     c = model_config("deepseek-v3", PRESETS["deepseek-v3"]["published_vocab_size"])
     f = flops_per_token(c, 4096)
     assert 6 * 36e9 < f < 6 * 37e9 + 6 * 61 * 128 * 320 * 4096 * 1.01
+
+
+def test_deepseek_v2_lite_by_hand():
+    """The published V2-Lite shape, written out: MLA without q_lora, 1 dense + 26 MoE layers
+    (2 shared + 6 of 64 routed experts), the softmax router's E x H matmul, the lm_head."""
+    c = model_config("deepseek-v2-lite", 102400)
+    H, T = 2048, 4096
+    attn = H * 16 * 192 + H * (512 + 64) + 512 * 16 * (128 + 128) + 16 * 128 * H
+    moe = 2 * 3 * H * 1408 + 64 * H + 6 * 3 * H * 1408
+    matmul = 27 * attn + 3 * H * 10944 + 26 * moe + 102400 * H
+    assert flops_per_token(c, T) == 6 * matmul + 6 * 27 * 16 * (192 + 128) * T
+    # ~2.24B activated non-embedding weights: ~13.4 GFLOPs per token before attention
+    assert 6 * 2.2e9 < flops_per_token(c, 1) < 6 * 2.5e9
+
+
+def test_families_of_one_shape_have_the_same_flops_and_params():
+    """A V2 router scores with softmax, a V3 one with sigmoids and a bias buffer: the same
+    weights and matmuls for the same shape."""
+    v2 = model_config("deepseek-v2-lite", V, tiny_v2())
+    v3 = model_config("tiny", V, {"norm_topk_prob": False})
+    assert (v2.model_type, v3.model_type) == ("deepseek_v2", "deepseek_v3")
+    assert flops_per_token(v2, 128) == flops_per_token(v3, 128)
+    assert param_counts(v2) == param_counts(v3)
 
 
 @pytest.mark.parametrize(

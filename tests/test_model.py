@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import tiny_v2
 from dsflow.errors import UsageError
 from dsflow.model.build import build_model
 from dsflow.model.presets import PRESETS, describe, model_config, param_counts
 
 VOCAB = 1000
+FAMILY_CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
 
 
 def _numel(model):
@@ -18,10 +20,14 @@ def _numel(model):
 
 
 def _meta_model(config):
-    from transformers import DeepseekV3ForCausalLM
+    import transformers
 
     with torch.device("meta"):
-        return DeepseekV3ForCausalLM(copy.deepcopy(config))
+        return getattr(transformers, FAMILY_CLASSES[config.model_type])(copy.deepcopy(config))
+
+
+def _tiny_v2_config(vocab=VOCAB, **extra):
+    return model_config("deepseek-v2-lite", vocab, tiny_v2(**extra))
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -29,7 +35,7 @@ def test_every_preset_builds_a_config(preset):
     vocab = PRESETS[preset].get("published_vocab_size", VOCAB)
     config = model_config(preset, vocab)
     assert config.vocab_size == vocab
-    assert config.model_type == "deepseek_v3"
+    assert config.model_type == PRESETS[preset].get("model_type", "deepseek_v3")
     assert isinstance(PRESETS[preset]["description"], str) and PRESETS[preset]["description"]
     assert "vocab_size" not in PRESETS[preset]
     counts = param_counts(config)
@@ -61,15 +67,32 @@ def test_counts_equal_instantiated_variants(overrides):
     assert param_counts(config)["total"] == _numel(_meta_model(config))
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"q_lora_rank": 24, "attention_bias": True, "mlp_bias": True},
+        {"tie_word_embeddings": True, "first_k_dense_replace": 2},
+        {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
+    ],
+)
+def test_v2_counts_equal_instantiated_variants(overrides):
+    config = _tiny_v2_config(**overrides)
+    model = _meta_model(config)
+    assert type(model).__name__ == "DeepseekV2ForCausalLM"
+    assert param_counts(config)["total"] == _numel(model)
+
+
 @pytest.mark.parametrize("preset", ["small", "medium"])
 def test_small_and_medium_counts_on_meta_device(preset):
     config = model_config(preset, 50257)
     assert param_counts(config)["total"] == _numel(_meta_model(config))
 
 
-def test_activated_counts_by_hand_for_tiny():
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_activated_counts_by_hand_for_tiny(family):
     """One token: everything except the non-selected routed experts and the input embedding."""
-    config = model_config("tiny", VOCAB)
+    config = model_config("tiny", VOCAB) if family == "deepseek_v3" else _tiny_v2_config()
     model = build_model(config, device_type="cpu")
     n_moe = config.num_hidden_layers - config.first_k_dense_replace
     per_expert = 3 * config.hidden_size * config.moe_intermediate_size
@@ -91,6 +114,7 @@ def test_activated_counts_by_hand_for_tiny():
 )
 def test_published_shapes_match_papers(preset, total, activated, tol_activated):
     config = model_config(preset, PRESETS[preset]["published_vocab_size"])
+    assert config.model_type == ("deepseek_v3" if preset == "deepseek-v3" else "deepseek_v2")
     counts = param_counts(config)
     assert abs(counts["total"] / total - 1) < 0.02, counts
     assert abs(counts["activated"] / activated - 1) < tol_activated, counts
@@ -220,7 +244,7 @@ def test_pretrained_missing_or_broken_path(tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
     config.save_pretrained(broken)  # config only, no weights
-    with pytest.raises(UsageError, match="cannot load"):
+    with pytest.raises(UsageError, match=r"no \*\.safetensors weights"):
         build_model(config, device_type="cpu", pretrained=str(broken))
 
 
@@ -254,5 +278,121 @@ def test_pretrained_bad_config_json(tmp_path):
     with pytest.raises(UsageError, match="cannot read config"):
         build_model(model_config("tiny", VOCAB), device_type="cpu", pretrained=str(tmp_path / "ck"))
     (tmp_path / "ck" / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(UsageError, match="llama"):
+    with pytest.raises(UsageError) as err:
         build_model(model_config("tiny", VOCAB), device_type="cpu", pretrained=str(tmp_path / "ck"))
+    msg = str(err.value)
+    assert "model.pretrained" in msg and "'llama'" in msg and "\n" not in msg
+    assert "'deepseek_v3'" in msg and "'deepseek_v2'" in msg
+
+
+# --------------------------------------------------------------------------- the DeepSeek-V2 family
+
+
+def test_v2_presets_build_deepseek_v2_with_its_router():
+    """DeepSeek-V2(-Lite)'s published routing: softmax, greedy / group-limited greedy top-k,
+    no normalisation, the published scaling and balance loss; HF's V2 class, no bias."""
+    lite = model_config("deepseek-v2-lite", 102400)
+    v2 = model_config("deepseek-v2", 102400)
+    assert type(lite).__name__ == type(v2).__name__ == "DeepseekV2Config"
+    assert (lite.topk_method, v2.topk_method) == ("greedy", "group_limited_greedy")
+    assert (v2.n_group, v2.topk_group, v2.routed_scaling_factor) == (8, 3, 16.0)
+    assert lite.routed_scaling_factor == 1.0 and not lite.norm_topk_prob and not v2.norm_topk_prob
+    for c in (lite, v2):
+        assert (c.aux_loss_alpha, c.seq_aux) == (0.001, True)
+    assert "softmax routing, group-limited greedy top-k" in describe(v2)
+    assert "sigmoid routing" in describe(model_config("deepseek-v3", 129280))
+    model = build_model(_tiny_v2_config(), device_type="cpu")
+    assert type(model).__name__ == "DeepseekV2ForCausalLM"
+    assert type(model.model.layers[1].mlp).__name__ == "DeepseekV2Moe"
+    assert not [n for n, _ in model.named_buffers() if "e_score_correction_bias" in n]
+    assert model.config._experts_implementation == "eager"
+
+
+def test_v2_overrides_are_checked_against_the_v2_config():
+    with pytest.raises(UsageError) as err:  # a DeepseekV3Config field, not a V2 one
+        model_config("deepseek-v2-lite", VOCAB, {"num_mtp_layers": 0})
+    assert "DeepseekV2Config" in str(err.value) and "topk_method" in str(err.value)
+    assert "aux_loss_alpha" in str(err.value)
+    with pytest.raises(UsageError, match="topk_method"):
+        model_config("tiny", VOCAB, {"topk_method": "greedy"})  # a V2 key on a V3 preset
+    cases = [
+        ({"norm_topk_prob": True}, "norm_topk_prob"),
+        ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+        ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1}, "n_group 3"),
+        ({"aux_loss_alpha": -1.0}, "aux_loss_alpha"),
+        ({"seq_aux": "yes"}, "seq_aux"),
+    ]
+    for overrides, match in cases:
+        with pytest.raises(UsageError, match=match):
+            _tiny_v2_config(**overrides)
+    # Greedy top-k ignores the groups; V2 takes a group's best expert, not a top-2.
+    _tiny_v2_config(n_group=3)
+    _tiny_v2_config(topk_method="group_limited_greedy", n_group=8, topk_group=2)
+    assert _tiny_v2_config(aux_loss_alpha=0.01, seq_aux=False).seq_aux is False
+
+
+def _v2_checkpoint(path, vocab=VOCAB, shard=None):
+    torch.manual_seed(0)
+    model = build_model(_tiny_v2_config(vocab), device_type="cpu").eval()
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+def test_v2_pretrained_round_trip_and_a_smaller_tokenizer(tmp_path):
+    """A V2 checkpoint loads as DeepseekV2ForCausalLM with its own config (balance keys kept);
+    a tokenizer with fewer tokens than its embeddings fits (DeepSeek pads them), more does not."""
+    model = _v2_checkpoint(tmp_path / "ck")
+    loaded = build_model(
+        model_config("tiny", 900), device_type="cpu", pretrained=str(tmp_path / "ck")
+    )
+    assert type(loaded).__name__ == "DeepseekV2ForCausalLM"
+    assert loaded.config.vocab_size == VOCAB and loaded.config.aux_loss_alpha == 0.001
+    ids = torch.randint(0, 900, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded.eval()(ids).logits)
+    with pytest.raises(UsageError) as err:
+        build_model(model_config("tiny", 1001), device_type="cpu", pretrained=str(tmp_path / "ck"))
+    assert "1001" in str(err.value) and "vocab_size 1000" in str(err.value)
+
+
+def test_partial_weights_are_refused_in_one_line(tmp_path):
+    """A shard the index lists, or a tensor, missing (transformers 5 would initialise it at
+    random with a warning), or a tensor of another shape: one line naming what is wrong."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _v2_checkpoint(tmp_path / "ck", shard="200KB")
+    weight_map = json.loads((tmp_path / "ck/model.safetensors.index.json").read_text())
+    shards = sorted(set(weight_map["weight_map"].values()))
+    assert len(shards) > 2
+    config = model_config("tiny", VOCAB)
+
+    def broken(name, damage):
+        path = tmp_path / name
+        shutil.copytree(tmp_path / "ck", path)
+        damage(path / shards[1])
+        with pytest.raises(UsageError) as err:
+            build_model(config, device_type="cpu", pretrained=str(path))
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    def drop_tensor(f):
+        tensors = load_file(f)
+        tensors.pop(sorted(tensors)[0])
+        save_file(tensors, f, metadata={"format": "pt"})
+
+    def shrink_tensor(f):
+        tensors = load_file(f)
+        key = sorted(tensors)[0]
+        tensors[key] = tensors[key][:-1].clone()
+        save_file(tensors, f, metadata={"format": "pt"})
+
+    msg = broken("no-shard", lambda f: f.unlink())
+    assert f"1 of the {len(shards)} shards" in msg and shards[1] in msg
+    assert "lacks 1 weight(s)" in broken("no-tensor", drop_tensor)
+    assert "do not match its config.json" in broken("shape", shrink_tensor)
+    assert "no *.safetensors" in broken(
+        "pickles", lambda f: [p.unlink() for p in f.parent.glob("*.safetensors*")]
+    )

@@ -1,5 +1,6 @@
-"""Building a Hugging Face ``DeepseekV3ForCausalLM``: fresh from a preset's config, or loaded from a
-checkpoint folder. The shapes and their parameter counts live in :mod:`dsflow.model.presets`.
+"""Building a Hugging Face model of either DeepSeek family (``DeepseekV3ForCausalLM`` or
+``DeepseekV2ForCausalLM``): fresh from a preset's config, or loaded from a checkpoint folder. The
+shapes, families and their parameter counts live in :mod:`dsflow.model.presets`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,17 @@ from typing import Any
 
 from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
+from dsflow.model.presets import FAMILIES, config_class, config_problems
+
+# The HF model class of each family (presets.FAMILIES).
+MODEL_CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
+INDEX = "model.safetensors.index.json"
+
+
+def model_class(model_type: str) -> type:
+    import transformers
+
+    return getattr(transformers, MODEL_CLASSES[model_type])
 
 
 def experts_implementation_for(device_type: str) -> str:
@@ -40,18 +52,20 @@ def _ensure_fp32_router_bias(model: Any) -> None:
 def build_model(
     config: Any, *, device_type: str, pretrained: str | None = None, dtype: Any = None
 ) -> Any:
-    """A ``DeepseekV3ForCausalLM`` on CPU: fresh from ``config`` or loaded from ``pretrained``.
+    """The family's HF model (``config.model_type``) on CPU: fresh from ``config`` or loaded
+    from ``pretrained``.
 
     Fresh init is deterministic given ``torch.manual_seed``. With ``pretrained`` (a local
-    directory written by ``save_pretrained``) the checkpoint's own architecture is used; its
-    vocab_size must equal ``config.vocab_size`` (the tokenizer's). ``config`` is not mutated.
+    directory written by ``save_pretrained``) the checkpoint's own config and family are used;
+    the tokenizer's vocabulary (``config.vocab_size``) must fit its embeddings, and every
+    weight must be there (:func:`load_pretrained`). ``config`` is not mutated.
     ``dtype`` None means fp32 weights in both cases (transformers 5 would otherwise load a
     checkpoint in its saved dtype, e.g. bf16, leaving the optimizer without fp32 weights);
     DeepSpeed casts to bf16/fp16 itself. Like HF, a fresh model is in train mode, a loaded
     one in eval mode.
     """
     import torch
-    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if isinstance(dtype, str):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
@@ -69,29 +83,96 @@ def build_model(
         # _from_config mutates the config it is given (dtype, implementations): use a copy.
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
     else:
-        ck_config = load_checkpoint_config(pretrained)
-        if ck_config.vocab_size != config.vocab_size:
-            raise UsageError(
-                f"checkpoint {pretrained} has vocab_size {ck_config.vocab_size} but the tokenizer "
-                f"has {config.vocab_size}: use the tokenizer the checkpoint was trained with "
-                "(or resize the checkpoint's embeddings and save it again)"
-            )
-        try:
-            model = DeepseekV3ForCausalLM.from_pretrained(pretrained, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError, shape errors...
-            detail = " ".join(str(exc).split())
-            raise UsageError(
-                f"cannot load pretrained checkpoint {pretrained}: {type(exc).__name__}: {detail}"
-            ) from None
-    if not isinstance(model.config, DeepseekV3Config):  # pragma: no cover - AutoModel guard
-        raise UsageError(f"expected a DeepSeek-V3 model, got {type(model).__name__}")
+        model = load_pretrained(pretrained, config.vocab_size, **kwargs)
     _ensure_fp32_router_bias(model)
     return model
 
 
-def load_checkpoint_config(pretrained: str) -> Any:
-    from transformers import DeepseekV3Config
+def load_pretrained(pretrained: str, tokens: int, **kwargs: Any) -> Any:
+    """The checkpoint's model, as its family's class, with every weight from the checkpoint:
+    a shard of the index or a tensor missing, a tensor of another shape (which transformers
+    5 would initialise at random, with a warning) or a tokenizer of more than ``tokens``
+    embeddings is a one-line UsageError. Weights from safetensors only."""
+    ck_config = load_checkpoint_config(pretrained)
+    check_vocab_fits(pretrained, ck_config.vocab_size, tokens)
+    _check_weight_files(pretrained)
+    try:
+        model, info = model_class(ck_config.model_type).from_pretrained(
+            pretrained,
+            config=ck_config,
+            use_safetensors=True,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported below in one line, not raised at length
+            **kwargs,
+        )
+    except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError, shape errors...
+        detail = " ".join(str(exc).split())
+        raise UsageError(
+            f"cannot load pretrained checkpoint {pretrained}: {type(exc).__name__}: {detail}"
+        ) from None
+    _refuse_partial(pretrained, info)
+    return model
 
+
+def check_vocab_fits(pretrained: str, checkpoint_vocab: int, tokens: int) -> None:
+    """The tokenizer's ids must index the checkpoint's embeddings; fewer tokens than rows is
+    fine (DeepSeek pads its embeddings: 100,015 tokens in 102,400 rows for V2)."""
+    if tokens > checkpoint_vocab:
+        raise UsageError(
+            f"the tokenizer has {tokens} tokens but model.pretrained {pretrained} has "
+            f"vocab_size {checkpoint_vocab}: use the tokenizer the checkpoint was trained with "
+            "(tokenizer.pretrained), or resize the checkpoint's embeddings and save it again"
+        )
+
+
+def _check_weight_files(pretrained: str) -> None:
+    """Every shard the index lists is on disk, and there are safetensors weights at all."""
+    index = os.path.join(pretrained, INDEX)
+    if not os.path.isfile(index):
+        if not any(name.endswith(".safetensors") for name in os.listdir(pretrained)):
+            raise UsageError(
+                f"pretrained checkpoint {pretrained!r} has no *.safetensors weights (dsflow "
+                "loads safetensors only; save the model with save_pretrained)"
+            )
+        return
+    try:
+        with open(index) as fh:
+            shards = sorted(set(json.load(fh)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise UsageError(
+            f"pretrained checkpoint {pretrained!r}: unreadable {INDEX} ({exc})"
+        ) from None
+    gone = [s for s in shards if not os.path.isfile(os.path.join(pretrained, s))]
+    if gone:
+        raise UsageError(
+            f"pretrained checkpoint {pretrained!r} is incomplete: {len(gone)} of the "
+            f"{len(shards)} shards {INDEX} lists are missing ({', '.join(gone[:3])}"
+            f"{', ...' if len(gone) > 3 else ''}); download the checkpoint again"
+        )
+
+
+def _refuse_partial(pretrained: str, info: dict) -> None:
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if missing:
+        raise UsageError(
+            f"pretrained checkpoint {pretrained!r} lacks {len(missing)} weight(s) the model "
+            f"needs ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): a partial "
+            "or damaged download; download the checkpoint again"
+        )
+    if mismatched:
+        key, saved, wanted = mismatched[0]
+        raise UsageError(
+            f"pretrained checkpoint {pretrained!r}: {len(mismatched)} weight(s) do not match "
+            f"its config.json (first: {key} is {tuple(saved)}, the config makes "
+            f"{tuple(wanted)})"
+        )
+
+
+def load_checkpoint_config(pretrained: str) -> Any:
+    """The checkpoint's HF config, as its family's class (``presets.FAMILIES``); a folder that
+    is not a checkpoint, another model_type or a config HF would route differently from how
+    it says is a one-line UsageError."""
     if not os.path.isdir(pretrained):
         raise UsageError(
             f"pretrained checkpoint {pretrained!r} is not a directory "
@@ -103,12 +184,12 @@ def load_checkpoint_config(pretrained: str) -> Any:
     try:
         with open(cfg_path) as fh:
             model_type = json.load(fh).get("model_type")
-        if model_type != "deepseek_v3":
+        if model_type not in FAMILIES:
             raise UsageError(
-                f"pretrained checkpoint {pretrained!r} has model_type {model_type!r}; "
-                "dsflow trains 'deepseek_v3' models only"
+                f"model.pretrained {pretrained!r} has model_type {model_type!r}; dsflow trains "
+                f"{' and '.join(map(repr, FAMILIES))} checkpoints"
             )
-        return DeepseekV3Config.from_pretrained(pretrained)
+        config = config_class(model_type).from_pretrained(pretrained)
     except UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 - bad JSON, strict-dataclass validation, ...
@@ -116,6 +197,10 @@ def load_checkpoint_config(pretrained: str) -> Any:
         raise UsageError(
             f"cannot read config of pretrained checkpoint {pretrained!r}: {detail}"
         ) from None
+    problems = config_problems(config)
+    if problems:
+        raise UsageError(f"model.pretrained {pretrained!r}: " + "; ".join(problems))
+    return config
 
 
 def save_hf(module: Any, out: str | os.PathLike, tokenizer: str | os.PathLike, state_dict=None):

@@ -15,7 +15,8 @@ from dsflow.model.presets import activated_matmul_params
 
 
 def flops_per_token(config: Any, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward) of a DeepseekV3ForCausalLM.
+    """Training FLOPs per token (forward + backward) of a DeepseekV3ForCausalLM or a
+    DeepseekV2ForCausalLM: the families differ in how the router scores, not in matmuls.
 
     ``6 * N + 6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len`` where
 

@@ -1,9 +1,12 @@
-"""Model presets and construction for DeepSeek-V3-architecture models (MLA + DeepSeekMoE).
+"""Model presets and configs of the two DeepSeek families (MLA + DeepSeekMoE) HF transformers
+builds: ``deepseek_v3`` (``DeepseekV3ForCausalLM``: sigmoid router scores with a routing bias)
+and ``deepseek_v2`` (``DeepseekV2ForCausalLM``: softmax router scores, greedy or group-limited
+greedy top-k, no bias).
 
 Everything here is about the *shape* of the model: the presets, the analytic parameter
-counts (no instantiation, so the published 671B shape can be counted on a laptop), and
-building a Hugging Face ``DeepseekV3ForCausalLM`` from a preset or a checkpoint.
-Training FLOPs live in :mod:`dsflow.model.flops`, expert load balancing in :mod:`dsflow.model.balance`.
+counts (no instantiation, so the published 671B shape can be counted on a laptop), and the
+HF config of a preset. Building the model lives in :mod:`dsflow.model.build`, training FLOPs
+in :mod:`dsflow.model.flops`, expert load balancing in :mod:`dsflow.model.balance`.
 """
 
 from __future__ import annotations
@@ -15,8 +18,17 @@ from typing import Any
 
 from dsflow.errors import UsageError
 
-# Keys of a PRESETS entry that are not DeepseekV3Config kwargs.
-_META_KEYS = ("description", "published_vocab_size")
+# Keys of a PRESETS entry that are not config kwargs ("model_type": the family, default V3).
+_META_KEYS = ("description", "published_vocab_size", "model_type")
+
+# The families, by config.json's model_type.
+FAMILIES = ("deepseek_v3", "deepseek_v2")
+# DeepSeek-V2's config.json keys that HF's DeepseekV2Config does not declare but keeps (as
+# extra attributes, saved again by save_pretrained): its balance loss, which dsflow trains with
+# (dsflow.model.balance, which has their defaults).
+V2_BALANCE_KEYS = ("aux_loss_alpha", "seq_aux")
+# Top-k methods HF's DeepseekV2TopkRouter implements.
+V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 # YaRN long-context RoPE of the published DeepSeek-V2/V3 checkpoints (4K -> 160K).
 _YARN_V3 = {
@@ -31,9 +43,10 @@ _YARN_V3 = {
 }
 _YARN_V2 = {**_YARN_V3, "mscale": 0.707, "mscale_all_dim": 0.707}
 
-# Each preset: DeepseekV3Config kwargs (vocab_size excluded: it comes from the tokenizer) plus
-# "description" and, for the published shapes, "published_vocab_size". No preset builds the
-# multi-token-prediction (MTP) module (num_mtp_layers=0; HF builds none in any case).
+# Each preset: config kwargs (vocab_size excluded: it comes from the tokenizer) plus
+# "description", "model_type" when not deepseek_v3, and, for the published shapes,
+# "published_vocab_size". No preset builds the multi-token-prediction (MTP) module
+# (num_mtp_layers=0; HF builds none in any case).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "description": "CPU tests: 0.6M params + 2 x vocab x 128, 4 layers (1 dense + 3 MoE), 8 experts top-2",
@@ -118,12 +131,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_mtp_layers": 0,
     },
     # Published shapes (HF config.json of deepseek-ai/DeepSeek-V2-Lite, DeepSeek-V2, DeepSeek-V3).
-    # DeepSeek-V2(-Lite) route with softmax scores (greedy / group-limited greedy top-k, no
-    # normalisation of the top-k weights); a DeepseekV3Config always routes with sigmoid scores.
-    # The parameter shapes are identical, so these are exact for counting, not for loading V2
-    # weights with V2 behaviour.
+    # DeepSeek-V2(-Lite) route with softmax scores, greedy / group-limited greedy top-k, top-k
+    # weights not normalised, and train with the sequence-wise balance loss (aux_loss_alpha).
     "deepseek-v2-lite": {
-        "description": "published DeepSeek-V2-Lite shape: 15.7B total / 2.4B activated (softmax routing in reality)",
+        "description": "published DeepSeek-V2-Lite shape: 15.7B total / 2.4B activated",
+        "model_type": "deepseek_v2",
         "published_vocab_size": 102400,
         "hidden_size": 2048,
         "intermediate_size": 10944,
@@ -142,14 +154,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "n_shared_experts": 2,
         "n_group": 1,
         "topk_group": 1,
+        "topk_method": "greedy",
         "routed_scaling_factor": 1.0,
         "norm_topk_prob": False,
+        "aux_loss_alpha": 0.001,
+        "seq_aux": True,
         "max_position_embeddings": 163840,
         "rope_parameters": _YARN_V2,
-        "num_mtp_layers": 0,
     },
     "deepseek-v2": {
-        "description": "published DeepSeek-V2 shape: 236B total / 21B activated (softmax routing in reality)",
+        "description": "published DeepSeek-V2 shape: 236B total / 21B activated",
+        "model_type": "deepseek_v2",
         "published_vocab_size": 102400,
         "hidden_size": 5120,
         "intermediate_size": 12288,
@@ -168,11 +183,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "n_shared_experts": 2,
         "n_group": 8,
         "topk_group": 3,
+        "topk_method": "group_limited_greedy",
         "routed_scaling_factor": 16.0,
         "norm_topk_prob": False,
+        "aux_loss_alpha": 0.001,
+        "seq_aux": True,
         "max_position_embeddings": 163840,
         "rope_parameters": _YARN_V2,
-        "num_mtp_layers": 0,
     },
     "deepseek-v3": {
         "description": "published DeepSeek-V3 shape: 671B total / 37B activated (main model, no MTP module)",
@@ -203,10 +220,26 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _config_fields() -> list[str]:
-    from transformers import DeepseekV3Config
+def config_class(model_type: str) -> type:
+    """The HF config class of a family (``FAMILIES``)."""
+    import transformers
 
-    return sorted(f.name for f in dataclasses.fields(DeepseekV3Config))
+    return {
+        "deepseek_v3": transformers.DeepseekV3Config,
+        "deepseek_v2": transformers.DeepseekV2Config,
+    }[model_type]
+
+
+def preset_model_type(preset: str) -> str:
+    return PRESETS[preset].get("model_type", "deepseek_v3")
+
+
+def config_keys(model_type: str) -> list[str]:
+    """The keys a config of the family takes: its HF fields, and V2's balance-loss keys."""
+    keys = {f.name for f in dataclasses.fields(config_class(model_type))}
+    if model_type == "deepseek_v2":
+        keys |= set(V2_BALANCE_KEYS)
+    return sorted(keys)
 
 
 def preset_names() -> list[str]:
@@ -216,14 +249,13 @@ def preset_names() -> list[str]:
 def model_config(
     preset: str, vocab_size: int, overrides: dict | None = None, **runtime: Any
 ) -> Any:
-    """A ``DeepseekV3Config`` for ``preset`` with the tokenizer's ``vocab_size``.
+    """The HF config of ``preset`` (``DeepseekV3Config`` or ``DeepseekV2Config``, by its
+    family) with the tokenizer's ``vocab_size``.
 
     Precedence: preset < ``runtime`` (what the trainer derives, e.g. token ids, sequence length)
-    < ``overrides`` (what the user asked for explicitly). Keys of both must be DeepseekV3Config
-    fields; ``vocab_size`` can only be given as the argument.
+    < ``overrides`` (what the user asked for explicitly). Keys of both must be keys of the
+    family's config (:func:`config_keys`); ``vocab_size`` can only be given as the argument.
     """
-    from transformers import DeepseekV3Config
-
     if preset not in PRESETS:
         raise UsageError(f"unknown model preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     try:
@@ -232,54 +264,90 @@ def model_config(
         vocab = -1
     if isinstance(vocab_size, bool) or vocab <= 0:
         raise UsageError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-    allowed = [name for name in _config_fields() if name != "vocab_size"]
+    cls = config_class(preset_model_type(preset))
+    allowed = [name for name in config_keys(preset_model_type(preset)) if name != "vocab_size"]
     for source, given in (("model override", overrides or {}), ("runtime setting", runtime)):
         unknown = sorted(k for k in given if k not in allowed)
         if unknown:
             hint = " (vocab_size comes from the tokenizer)" if "vocab_size" in unknown else ""
             raise UsageError(
                 f"unknown {source} {', '.join(map(repr, unknown))}{hint}; "
-                f"allowed DeepseekV3Config keys: {', '.join(allowed)}"
+                f"allowed {cls.__name__} keys: {', '.join(allowed)}"
             )
     kwargs = {k: copy.deepcopy(v) for k, v in PRESETS[preset].items() if k not in _META_KEYS}
     kwargs.update(copy.deepcopy(runtime))
     kwargs.update(copy.deepcopy(overrides or {}))
     kwargs["vocab_size"] = vocab
     try:
-        config = DeepseekV3Config(**kwargs)
+        config = cls(**kwargs)
     except Exception as exc:  # noqa: BLE001 - huggingface_hub's strict dataclass validation
         detail = " ".join(str(exc).split())
         raise UsageError(f"invalid model config for preset {preset!r}: {detail}") from None
-    _check_shape(config, preset)
+    problems = config_problems(config)
+    if problems:
+        raise UsageError(f"invalid model config for preset {preset!r}: " + "; ".join(problems))
     return config
 
 
-def _check_shape(c: Any, preset: str) -> None:
-    """Catch shape mistakes here with a clear message instead of a reshape error mid-forward."""
+def config_problems(c: Any) -> list[str]:
+    """What HF's model of this config would get wrong: a reshape error mid-forward, or routing
+    other than the config says. Empty when the config is sound."""
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    experts, groups = c.n_routed_experts, c.n_group or 1
-    topk, topk_group = c.num_experts_per_tok, c.topk_group or 1
     problems = []
     if heads % kv_heads:
         problems.append(
             f"num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}"
         )
-    if experts % groups:
-        problems.append(f"n_routed_experts {experts} not divisible by n_group {groups}")
-    if topk > experts:
-        problems.append(f"num_experts_per_tok {topk} > n_routed_experts {experts}")
-    if topk_group > groups:
-        problems.append(f"topk_group {topk_group} > n_group {groups}")
-    elif topk > topk_group * (experts // groups):
+    if c.num_experts_per_tok > c.n_routed_experts:
         problems.append(
-            f"num_experts_per_tok {topk} > experts in the {topk_group} selected group(s)"
+            f"num_experts_per_tok {c.num_experts_per_tok} > n_routed_experts {c.n_routed_experts}"
         )
-    if experts // groups < 2:
-        problems.append("each expert group needs >= 2 experts (the router takes a top-2 per group)")
     if c.qk_rope_head_dim % 2:
         problems.append("qk_rope_head_dim must be even")
-    if problems:
-        raise UsageError(f"invalid model config for preset {preset!r}: " + "; ".join(problems))
+    if c.model_type == "deepseek_v2":
+        return problems + _v2_router_problems(c)
+    problems += _group_problems(c)
+    if c.n_routed_experts // (c.n_group or 1) < 2:
+        problems.append("each expert group needs >= 2 experts (the router takes a top-2 per group)")
+    return problems
+
+
+def _group_problems(c: Any) -> list[str]:
+    experts, groups = c.n_routed_experts, c.n_group or 1
+    topk, topk_group = c.num_experts_per_tok, c.topk_group or 1
+    if experts % groups:
+        return [f"n_routed_experts {experts} not divisible by n_group {groups}"]
+    if topk_group > groups:
+        return [f"topk_group {topk_group} > n_group {groups}"]
+    if topk > topk_group * (experts // groups):
+        return [f"num_experts_per_tok {topk} > experts in the {topk_group} selected group(s)"]
+    return []
+
+
+def _v2_router_problems(c: Any) -> list[str]:
+    """HF's DeepseekV2TopkRouter scores with softmax, implements two top-k methods and never
+    normalises the top-k weights (DeepSeek's own code does with norm_topk_prob, and then
+    leaves out routed_scaling_factor): a config asking otherwise would train another model."""
+    problems = []
+    method = c.topk_method
+    if method not in V2_TOPK_METHODS:
+        problems.append(f"topk_method {method!r} is not one of {', '.join(V2_TOPK_METHODS)}")
+    elif method == "group_limited_greedy":
+        if not c.n_group or not c.topk_group:
+            problems.append("topk_method group_limited_greedy needs n_group and topk_group")
+        else:
+            problems += _group_problems(c)
+    scoring = getattr(c, "scoring_func", "softmax")
+    if scoring != "softmax":
+        problems.append(f"scoring_func {scoring!r}: the DeepseekV2 router scores with softmax")
+    if c.norm_topk_prob and c.num_experts_per_tok > 1:
+        problems.append("norm_topk_prob true: the DeepseekV2 router never normalises the top-k")
+    alpha = getattr(c, "aux_loss_alpha", 0.0)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha < 0:
+        problems.append(f"aux_loss_alpha {alpha!r} must be a number >= 0")
+    if not isinstance(getattr(c, "seq_aux", True), bool):
+        problems.append(f"seq_aux {c.seq_aux!r} must be true or false")
+    return problems
 
 
 # --------------------------------------------------------------------------- parameter counts
@@ -335,12 +403,16 @@ def _breakdown(config: Any) -> dict[str, int]:
     attn_mm, attn_other = _attention_params(config)
     expert = 3 * H * d["mi"]  # gate, up (stored fused as gate_up_proj) and down
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    # DeepseekV2Config's mlp_bias: biases on the dense MLPs and the shared experts' MLP.
+    shared_inter = d["shared"] * d["mi"]
+    mlp_biases = d["n_dense"] * (2 * d["inter"] + H) + (d["n_moe"] * (2 * shared_inter + H))
     return dict(
         embedding=V * H,
         lm_head=0 if tied else V * H,
         lm_head_matmul=V * H,  # the logits matmul happens even when tied to the embedding
         attention_matmul=d["L"] * attn_mm,
         attention_other=d["L"] * attn_other,
+        mlp_biases=mlp_biases if getattr(config, "mlp_bias", False) else 0,
         layer_norms=d["L"] * 2 * H + H,  # input + post-attention norms, final norm
         dense_mlp=d["n_dense"] * 3 * H * d["inter"],
         shared_experts=d["n_moe"] * d["shared"] * expert,
@@ -351,10 +423,12 @@ def _breakdown(config: Any) -> dict[str, int]:
 
 
 def param_counts(config: Any) -> dict[str, int]:
-    """Analytic parameter counts of ``DeepseekV3ForCausalLM(config)`` (nothing is instantiated).
+    """Analytic parameter counts of ``DeepseekV3ForCausalLM(config)`` or
+    ``DeepseekV2ForCausalLM(config)`` (nothing is instantiated). The two families have the same
+    parameters for the same shape: their routers differ in how they score, not in weights.
 
-    - ``total``: ``sum(p.numel() for p in model.parameters())`` exactly (tied weights once; the
-      routers' ``e_score_correction_bias`` is a buffer, not a parameter).
+    - ``total``: ``sum(p.numel() for p in model.parameters())`` exactly (tied weights once; a
+      V3 router's ``e_score_correction_bias`` is a buffer, not a parameter, and V2 has none).
     - ``activated``: the parameters one token's forward pass uses, in the convention that
       reproduces DeepSeek's published numbers (V3 37B, V2 21B, V2-Lite 2.4B): every
       attention projection and norm, dense MLPs, shared experts, the top-k routed experts,
@@ -370,6 +444,7 @@ def param_counts(config: Any) -> dict[str, int]:
     common = (
         b["attention_matmul"]
         + b["attention_other"]
+        + b["mlp_biases"]
         + b["layer_norms"]
         + b["dense_mlp"]
         + b["shared_experts"]
@@ -412,6 +487,14 @@ def _human(n: float) -> str:
     return f"{n / 1e3:.1f}K"
 
 
+def routing(config: Any) -> str:
+    """How the family's router picks experts, in a few words."""
+    if config.model_type == "deepseek_v2":
+        method = {"group_limited_greedy": "group-limited greedy"}.get(config.topk_method, "greedy")
+        return f"softmax routing, {method} top-k"
+    return "sigmoid routing with a balancing bias"
+
+
 def describe(config: Any) -> str:
     """One-line human summary of the shape and parameter counts."""
     d = _dims(config)
@@ -420,7 +503,8 @@ def describe(config: Any) -> str:
     return (
         f"{d['L']} layers ({d['n_dense']} dense + {d['n_moe']} MoE), hidden {d['H']}, "
         f"{d['heads']} heads MLA ({q}, kv_lora {d['kv_lora']}), "
-        f"{d['E']} routed experts top-{d['K']} + {d['shared']} shared (moe_inter {d['mi']}), "
+        f"{d['E']} routed experts top-{d['K']} + {d['shared']} shared (moe_inter {d['mi']}, "
+        f"{routing(config)}), "
         f"vocab {d['V']}: {_human(counts['total'])} total, {_human(counts['activated'])} activated "
         f"({_human(counts['activated_non_embedding'])} non-embedding)"
     )
