@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -133,3 +135,29 @@ def test_planner_counts_equal_the_adapters_peft_creates(targets, q_lora_rank):
     peft_model = lora.attach(build_model(config, device_type="cpu"), setting)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     assert lora.counts(config, setting)["adapter"] == trainable
+
+
+def test_lora_without_a_pretrained_model_is_one_line():
+    import yaml
+
+    from dsflow import params as params_mod
+
+    root = Path(__file__).resolve().parent.parent
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["train"]["finetune"], raw["model"]["pretrained"] = "lora", None
+    with pytest.raises(UsageError) as err:
+        params_mod.validate(raw)
+    assert "train.finetune: lora needs model.pretrained" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind, ok", [("AdamW", True), ("Adam", True), ("OneBitAdam", False)])
+def test_lora_refuses_an_optimizer_that_compresses_every_gradient(kind, ok):
+    from dsflow import dsconfig
+
+    cfg = {"optimizer": {"type": kind, "params": {}}}
+    if ok:
+        dsconfig.check_lora_optimizer(cfg, "train.ds_config ds.json")
+        return
+    with pytest.raises(UsageError, match="optimizer OneBitAdam with train.finetune: lora"):
+        dsconfig.check_lora_optimizer(cfg, "train.ds_config ds.json")

@@ -348,3 +348,19 @@ def _show(value) -> str:
     """A user's value in a one-line message."""
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# DeepSpeed optimizers that update only the parameters they are given: LoRA hands them the
+# adapters alone. The 1-bit and 0/1 optimizers compress every gradient of the model.
+LORA_OPTIMIZERS = ("adam", "adamw", "fusedadam", "torch_adam", "cpuadam")
+
+
+def check_lora_optimizer(ds_config: dict, source: str) -> None:
+    """One line when a user's ds_config brings an optimizer that LoRA cannot train with."""
+    kind = str(ds_config.get("optimizer", {}).get("type", "adamw"))
+    if kind.lower() not in LORA_OPTIMIZERS:
+        raise UsageError(
+            f"{source}: optimizer {kind} with train.finetune: lora; LoRA trains its adapters with "
+            "AdamW (train.optimizer): remove the optimizer section there, or set "
+            "train.finetune: full"
+        )
