@@ -161,3 +161,40 @@ def test_lora_refuses_an_optimizer_that_compresses_every_gradient(kind, ok):
         return
     with pytest.raises(UsageError, match="optimizer OneBitAdam with train.finetune: lora"):
         dsconfig.check_lora_optimizer(cfg, "train.ds_config ds.json")
+
+
+@pytest.mark.slow
+def test_fast_paths_give_the_adapters_the_plain_paths_gradients():
+    """Under LoRA the fast paths (compiled layers with the router hooks traced, padded
+    attention, fused cross-entropy, sorted experts through PEFT's parametrized expert weights)
+    give the adapters the plain path's loss and gradients (fp32, CPU)."""
+    import copy
+
+    from dsflow.model import fastpaths
+    from dsflow.model.loss import TrainingLM
+
+    torch._dynamo.reset()
+    plain = lora.attach(_base(moe_intermediate_size=16), ALL).get_base_model()
+    for name, p in plain.named_parameters():
+        if "lora_B" in name:  # B starts at zero: give the adapters something to pass back
+            torch.nn.init.normal_(p, std=0.02)
+    fast = copy.deepcopy(plain)
+    x = _batch(3)
+    inputs, targets = x[:, :-1], x[:, 1:]
+    results = []
+    for model, perf in (
+        (plain, fastpaths.Perf(False, "sdpa", 0, False)),
+        (fast, fastpaths.Perf(True, "flash_padded", 16, False, experts="sorted")),
+    ):
+        balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
+        fastpaths.apply(model, perf, balancer)
+        loss = TrainingLM(model, ce_chunk=perf.ce_chunk)(inputs, targets)
+        (loss + balancer.aux_loss()).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), grads))
+    (loss_p, grads_p), (loss_f, grads_f) = results
+    torch.testing.assert_close(loss_f, loss_p, rtol=1e-5, atol=1e-6)
+    assert set(grads_f) == set(grads_p) and any("experts" in n for n in grads_p)
+    for name, grad in grads_p.items():
+        assert grads_f[name] is not None, name
+        torch.testing.assert_close(grads_f[name], grad, rtol=1e-4, atol=1e-6, msg=name)
