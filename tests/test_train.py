@@ -306,10 +306,19 @@ print(loss(merged), loss(lora.load(sys.argv[1], "models/final/adapter").eval()))
 """
 
 
-def test_lora_under_zero3(prepared, baseline, tmp_path):
+def test_lora_under_zero3_resumes_on_fewer_ranks(prepared, baseline, tmp_path):
+    """LoRA at ZeRO-3: the adapters are gathered to be saved; killed on 3 ranks after the
+    checkpoint of step 2, the run resumes on 2 (elastic) and finishes."""
     repo = tmp_path / "zero3"
-    overlay = {"zero_stage": 3, "max_steps": 3, "checkpoint_every": 3, "eval_every": 3}
-    _lora_run(prepared, baseline, repo, **overlay)
+    overlay = {"zero_stage": 3, "max_steps": 4, "checkpoint_every": 2, "eval_every": 4}
+    fault = {"DSFLOW_FAULT_STEP": "3", "DSFLOW_FAULT_RANK": "1"}
+    proc = _lora_run(prepared, baseline, repo, check=False, env=fault, **overlay)
+    assert proc.returncode == 2
+    two = {"gpus": 2, "micro_batch": 3, "global_batch": 6, "grad_accum": None}
+    proc = _lora_run(prepared, baseline, repo, **two, **overlay)
+    assert "saved by 3 rank(s), this run has 2" in proc.stderr
+    assert "resumed from step 2" in proc.stderr
+    assert sorted(losses(repo)) == [1, 2, 3, 4]
     adapter = _tensors(repo / "models/final/adapter", "adapter_model.safetensors")
     assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)
     base, tuned = _tensors(baseline / "models/final"), _tensors(repo / "models/final")
