@@ -158,6 +158,6 @@ def prepared(tmp_path_factory) -> Path:
     """A project copy whose data stages have all run once (read-only use, please)."""
     repo = copy_project(tmp_path_factory.mktemp("prepared") / "repo")
     update_params(repo, SMALL_PARAMS)
-    for stage in ("download", "tokenizer", "tokenize", "shard"):
+    for stage in ("pretrained", "download", "tokenizer", "tokenize", "shard"):
         dsflow(stage, cwd=repo)
     return repo

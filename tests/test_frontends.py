@@ -110,6 +110,7 @@ def differences(rules: dict, stages: dict) -> list[str]:
 def test_snakefile_and_dvc_yaml_describe_the_same_dag():
     rules, stages = snakemake_rules(), dvc_stages()
     assert {
+        "pretrained",
         "download",
         "tokenizer",
         "tokenize",

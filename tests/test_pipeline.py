@@ -15,7 +15,7 @@ from conftest import SMALL_PARAMS, copy_project, run, update_params
 
 pytestmark = pytest.mark.slow
 
-DATA_STAGES = ("download", "tokenizer", "tokenize", "shard")
+DATA_STAGES = ("pretrained", "download", "tokenizer", "tokenize", "shard")
 
 
 def commit_all(repo: Path, message: str) -> None:

@@ -150,15 +150,15 @@ def test_stage_refuses_bad_requests_before_launch(prepared, tmp_path):
 def test_vocab_mismatch_with_a_pretrained_model(prepared, tmp_path):
     import shutil
 
-    ckpt = tmp_path / "other_vocab"
-    build_model(model_config("tiny", 999), device_type="cpu").save_pretrained(ckpt)
+    ckpt = tmp_path / "other_vocab"  # fewer embeddings than tokens (more would be padding)
+    build_model(model_config("tiny", 300), device_type="cpu").save_pretrained(ckpt)
     repo = tmp_path / "mismatch"
     shutil.copytree(prepared, repo)
     update_params(repo, {"train": {"device": "cpu"}, "model": {"pretrained": str(ckpt)}})
     proc = dsflow("train", cwd=repo, check=False)
     assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
-    assert "vocab_size 999" in line and "384" in line and "tokenizer" in line
+    assert "vocab_size 300" in line and "384" in line and "tokenizer" in line
 
 
 def test_preflight_refuses_what_cannot_fit_and_sets_nccl_for_consumer_cards(monkeypatch):

@@ -20,6 +20,7 @@ from dsflow.launch import log_name
 from dsflow.progress import log, logged_prints, setup_logging, to_log
 
 STAGES = {
+    "pretrained": "dsflow.pretrained",
     "download": "dsflow.data.download",
     "tokenizer": "dsflow.data.tokenizer",
     "tokenize": "dsflow.data.tokenizing",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsflow.errors import UsageError
+from dsflow.model import source
 from dsflow.model.build import load_checkpoint_config, save_hf
 from dsflow.model.presets import model_config
 from dsflow.paths import TOKENIZER, export_dir
@@ -61,8 +62,8 @@ def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> P
             f"{root}/run.json: unreadable ({e}); it is written by the train stage"
         ) from None
     model = params["model"]
-    if model["pretrained"]:
-        config = load_checkpoint_config(model["pretrained"])
+    if model["pretrained"]:  # the train stage's folder, else found again from "source"
+        config = load_checkpoint_config(str(source.folder(model)))
     else:
         config = model_config(model["preset"], vocab, model["overrides"])
     weights = consolidated_state_dict(root, tag)

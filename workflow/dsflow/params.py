@@ -129,7 +129,21 @@ def validate(params: dict, source: str = "params.yaml") -> dict:
         # Deepest first: an error inside a section says more than "section is invalid".
         err = max(errors, key=lambda e: len(e.absolute_path))
         raise UsageError(one_line(_format_error(err, source)))
-    return fill_defaults(params, schema)
+    params = fill_defaults(params, schema)
+    check_model(params["model"], source)
+    return params
+
+
+def check_model(model: dict, source: str) -> None:
+    """What the schema cannot say: a revision belongs to a model.pretrained."""
+    if model.get("revision") is not None and not model.get("pretrained"):
+        raise UsageError(
+            one_line(
+                f"{source}: model.revision: {model['revision']!r} names a revision but "
+                "model.pretrained is null; set model.pretrained to a Hub id (org/name), or "
+                "model.revision: null"
+            )
+        )
 
 
 def fill_defaults(params: dict, schema: dict) -> dict:

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The checkpoint to continue from (model.pretrained), resolved once: a Hub id to its commit and
+# files, a local folder to its content hash. The hashes' cache lets a rerun skip unchanged files.
+PRETRAINED = Path("data/pretrained.json")
+PRETRAINED_HASHES = Path("data/pretrained.hashes.json")
+
 # Data stages: download -> tokenizer -> tokenize -> shard.
 RAW = Path("data/raw")
 RAW_PARTIAL = Path("data/raw.partial")  # a resumable hf download in progress

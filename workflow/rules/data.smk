@@ -1,4 +1,25 @@
-# Data stages: download -> tokenizer -> tokenize -> shard.
+# The checkpoint to start from (model.pretrained, resolved once), then the data stages:
+# download -> tokenizer -> tokenize -> shard.
+
+
+rule pretrained:
+    input:
+        code(
+            "model/source.py",
+            "atomic.py",
+            "errors.py",
+            "paths.py",
+            "pretrained.py",
+            "progress.py",
+        ),
+    output:
+        "data/pretrained.json",
+    params:
+        **P("model.pretrained", "model.revision"),
+    log:
+        "logs/pretrained.log",
+    shell:
+        "python -m dsflow pretrained"
 
 
 rule download:
@@ -28,16 +49,20 @@ rule tokenizer:
         code(
             "data/shards.py",
             "data/tokenizer.py",
+            "model/build.py",
+            "model/presets.py",
+            "model/source.py",
             "atomic.py",
             "errors.py",
             "paths.py",
             "progress.py",
         ),
         "data/raw",
+        "data/pretrained.json",
     output:
         directory("data/tokenizer"),
     params:
-        **P("seed", "tokenizer"),
+        **P("seed", "tokenizer", "model.pretrained", "model.revision"),
     log:
         "logs/tokenizer.log",
     shell:

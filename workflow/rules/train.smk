@@ -25,6 +25,7 @@ rule train:
         ),
         "data/shards",
         "data/tokenizer",
+        "data/pretrained.json",
         "reports/plan.json",
     output:
         directory("models/final"),
@@ -47,6 +48,7 @@ rule plan:
             "model/build.py",
             "model/flops.py",
             "model/presets.py",
+            "model/source.py",
             "plan",
             "atomic.py",
             "dsconfig.py",
@@ -54,8 +56,10 @@ rule plan:
             "machine.py",
             "params.py",
             "paths.py",
+            "progress.py",
         ),
         "data/shards",
+        "data/pretrained.json",
     output:
         "reports/plan.json",
     params:

@@ -1,7 +1,10 @@
 """Stage `tokenizer`: a byte-level BPE trained on the train split -> data/tokenizer/.
 
 Saved as a transformers fast tokenizer, so `AutoTokenizer.from_pretrained("data/tokenizer")` loads
-it. Or `tokenizer.pretrained` names an existing tokenizer (a path or Hub id) to copy instead.
+it. Or `tokenizer.pretrained` names an existing tokenizer (a path or Hub id) to copy instead, and
+with `model.pretrained` set and no `tokenizer.pretrained` the checkpoint's own tokenizer is copied
+(from the folder the pretrained stage resolved). A tokenizer for a checkpoint must fit it: every
+token id below the checkpoint's vocab_size.
 
 The BPE trains on a sample of about `tokenizer.sample_bytes` bytes of the train split: document i
 is in it when a hash of (seed, i) falls below sample_bytes / the split's bytes. So the same seed
@@ -23,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from dsflow.atomic import atomic_dir
 from dsflow.data.shards import splitmix64
 from dsflow.errors import UsageError
+from dsflow.model import source
 from dsflow.paths import MANIFEST, RAW, TOKENIZER
 from dsflow.progress import bar, log
 
@@ -102,22 +106,61 @@ def train_bpe(texts_batches, n_docs: int, vocab_size: int, min_frequency: int):
     )
 
 
-def load_pretrained(name: str):
+def load_pretrained(name: str, key: str = "tokenizer.pretrained"):
+    """The tokenizer at `name` (a folder or Hub id), with BOS and EOS added as its own
+    tokenizer_config.json says; `key` is the parameter named when it cannot be used."""
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(name, **special_token_flags(name))
     except Exception as e:
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        fix = (
+            "give a local directory or a reachable Hub id"
+            if key == "tokenizer.pretrained"
+            else "set tokenizer.pretrained to the tokenizer it was trained with"
+        )
         raise UsageError(
-            f"tokenizer.pretrained: cannot load {name!r} ({reason}); give a local directory "
-            "or a reachable Hub id"
+            f"{key}: cannot load the tokenizer of {name!r} ({reason}); {fix}"
         ) from None
     if tok.eos_token_id is None:
-        raise UsageError(f"tokenizer.pretrained: {name!r} has no EOS token; dsflow needs one")
+        raise UsageError(f"{key}: {name!r} has no EOS token; dsflow needs one")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    # How it was loaded (HF_HUB_OFFLINE) is no part of the tokenizer: the same bytes either way.
+    tok.init_kwargs.pop("local_files_only", None)
     return tok
+
+
+def special_token_flags(name: str) -> dict:
+    """add_bos_token / add_eos_token as a local tokenizer's tokenizer_config.json sets them.
+    DeepSeek's set add_bos_token: true, which transformers 5 ignores for a byte-level
+    tokenizer.json unless it is passed again; passed, the saved tokenizer.json adds BOS itself,
+    so the tokenize stage and a plain `tokenizer(text)` start every document with it."""
+    try:
+        config = json.loads((Path(name) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    return {
+        k: config[k] for k in ("add_bos_token", "add_eos_token") if isinstance(config.get(k), bool)
+    }
+
+
+def check_fits_checkpoint(tok, model: dict) -> None:
+    """Every token id must index the checkpoint's embeddings, which may be padded past the
+    tokenizer (DeepSeek-V2: about 100k tokens for vocab_size 102400)."""
+    from dsflow.model.build import load_checkpoint_config
+
+    vocab = load_checkpoint_config(str(source.folder(model))).vocab_size
+    top = max(tok.get_vocab().values())
+    if top >= vocab:
+        raise UsageError(
+            f"tokenizer.pretrained / model.pretrained: the tokenizer has token ids up to {top} "
+            f"but {model['pretrained']} has vocab_size {vocab}; use the checkpoint's own "
+            "tokenizer (tokenizer.pretrained: null) or one whose ids are below that"
+        )
 
 
 def train_on_sample(cfg: dict, seed: int, train_path: Path):
@@ -149,10 +192,16 @@ def run(params: dict) -> None:
     train_path = RAW / "train.parquet"
     if not train_path.exists():
         raise UsageError(f"{train_path}: missing; run the download stage first")
+    model = params["model"]
     if cfg["pretrained"]:
         tok = load_pretrained(cfg["pretrained"])
+    elif model["pretrained"]:
+        log.info("the tokenizer of model.pretrained %s", model["pretrained"])
+        tok = load_pretrained(str(source.folder(model)), key="model.pretrained")
     else:
         tok = train_on_sample(cfg, params["seed"], train_path)
+    if model["pretrained"]:
+        check_fits_checkpoint(tok, model)
     with atomic_dir(TOKENIZER) as tmp:
         tok.save_pretrained(tmp)
     log.info("tokenizer with %d tokens -> %s", len(tok), TOKENIZER)

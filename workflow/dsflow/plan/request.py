@@ -12,7 +12,7 @@ from typing import Any
 
 from dsflow import dsconfig, machine
 from dsflow.errors import UsageError
-from dsflow.model import presets
+from dsflow.model import presets, source
 from dsflow.model.build import load_checkpoint_config
 from dsflow.paths import shard_index
 from dsflow.plan import memory
@@ -190,13 +190,13 @@ def _config(
     """(model config, where its vocabulary size came from)."""
     preset, overrides, pretrained = model
     vocab, vocab_source = _arg(args, "vocab"), "--vocab"
-    if vocab is None and pretrained and os.path.isdir(pretrained):
-        config = load_checkpoint_config(pretrained)
-        return config, f"model.pretrained {pretrained}"
-    if pretrained:
-        notes.append(
-            f"model.pretrained {pretrained!r} is not a local directory: planned the preset"
-        )
+    if vocab is None and pretrained:
+        try:  # a folder, or a Hub id in the cache (the pretrained stage fetched it)
+            folder = source.folder(params["model"])
+        except UsageError as e:
+            notes.append(f"{e}: planned the preset")
+        else:
+            return load_checkpoint_config(str(folder)), f"model.pretrained {pretrained}"
     tok = params.get("tokenizer", {})
     published = presets.PRESETS[preset].get("published_vocab_size")
     if vocab is None and published and _arg(args, "model") and not tok.get("pretrained"):
@@ -371,7 +371,8 @@ def resolve(
     """The plan's inputs from params, the ad-hoc flags in ``args`` and the machine.
 
     - model: ``--model`` (then params' overrides / pretrained are ignored), else
-      ``model.preset`` + ``model.overrides``, or a local ``model.pretrained`` checkpoint's config.
+      ``model.preset`` + ``model.overrides``, or a ``model.pretrained`` checkpoint's config (a
+      folder, or a Hub id in the cache).
     - vocabulary: ``--vocab``; the pretrained checkpoint's; ``data/shards/train/index.json``
       (what train uses); without shards ``tokenizer.vocab_size`` (what the tokenizer stage will
       train, unless ``tokenizer.pretrained`` or ``--model``); the preset's

@@ -36,8 +36,8 @@ from dsflow import checks, dsconfig, launch, machine
 from dsflow.atomic import write_json
 from dsflow.data.shards import load_index
 from dsflow.errors import UsageError
-from dsflow.model import fastpaths, presets
-from dsflow.model.build import load_checkpoint_config
+from dsflow.model import fastpaths, presets, source
+from dsflow.model.build import check_vocab_fits, load_checkpoint_config
 from dsflow.paths import CHECKPOINTS, SHARDS
 from dsflow.plan import layouts, memory, request
 from dsflow.progress import child_output, log, whole_lines
@@ -61,15 +61,23 @@ def vocab_size() -> int:
     return index["vocab_size"]
 
 
-def check_pretrained_vocab(pretrained: str | None, vocab: int) -> None:
-    if not pretrained:
-        return
-    config = load_checkpoint_config(pretrained)
-    if config.vocab_size != vocab:
-        raise UsageError(
-            f"model.pretrained: {pretrained} has vocab_size {config.vocab_size} but the "
-            f"tokenizer has {vocab}; set tokenizer.pretrained to that model's tokenizer"
-        )
+def check_pretrained_vocab(model: dict, vocab: int) -> None:
+    """The tokenizer's `vocab` tokens must index a checkpoint's embeddings (`model` resolved by
+    dsflow.model.source), which may pad past them (DeepSeek-V2: 100,015 in 102,400 rows)."""
+    if model["pretrained"]:
+        config = load_checkpoint_config(model["pretrained"])
+        check_vocab_fits(model["source"]["pretrained"], config.vocab_size, vocab)
+
+
+def run_fingerprint(params: dict, global_batch: int, data_sha: str) -> str:
+    """The fingerprint (ckpt.fingerprint) of a run spec's params: a pretrained checkpoint counts
+    by what it is (org/name@commit, or a folder's content hash), not by the folder this machine
+    keeps it in, nor by the revision name that led to the commit."""
+    model = dict(params["model"])
+    pinned = model.pop("source", None)
+    if pinned:
+        model.update(pretrained=source.identity(pinned), revision=None)
+    return ckpt.fingerprint({**params, "model": model}, global_batch, data_sha)
 
 
 def resolve_run(params: dict) -> dict:
@@ -82,7 +90,9 @@ def resolve_run(params: dict) -> dict:
     steps = dsconfig.total_steps(train, batch)
     vocab = vocab_size()
     presets.model_config(params["model"]["preset"], vocab, params["model"]["overrides"])
-    check_pretrained_vocab(params["model"]["pretrained"], vocab)
+    # The ranks build the model from the spec's model section: the checkpoint's local folder.
+    params = {**params, "model": source.resolved(params["model"])}
+    check_pretrained_vocab(params["model"], vocab)
     if device == "cpu" and train["precision"] == "fp16":
         raise UsageError(
             "train.precision: fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); "
@@ -119,7 +129,7 @@ def resolve_run(params: dict) -> dict:
         "batch": {"micro": batch.micro, "accum": batch.accum, "global": batch.global_batch},
         "steps": steps,
         "vocab_size": vocab,
-        "fingerprint": ckpt.fingerprint(params, batch.global_batch, data_sha),
+        "fingerprint": run_fingerprint(params, batch.global_batch, data_sha),
         "data_sha": data_sha,
         "data_verified": True,
         "perf": dataclasses.asdict(perf),
@@ -196,7 +206,7 @@ def check_elastic_batch(root: Path, spec: dict) -> None:
     new_batch = spec["batch"]
     if old_world == spec["world"] or old_batch["global"] == new_batch["global"]:
         return
-    same = ckpt.fingerprint(spec["params"], old_batch["global"], spec.get("data_sha", ""))
+    same = run_fingerprint(spec["params"], old_batch["global"], spec.get("data_sha", ""))
     if same != previous.get("fingerprint"):
         return
     old, world, micro = old_batch["global"], spec["world"], new_batch["micro"]
@@ -243,7 +253,7 @@ def saved_layout(root: Path, spec: dict) -> dict | None:
     params["train"]["zero_stage"] = old["zero_stage"]
     params["train"]["offload"].update(old["offload"])
     batch = previous.get("batch", {}).get("global", spec["batch"]["global"])
-    if ckpt.fingerprint(params, batch, spec.get("data_sha", "")) != previous.get("fingerprint"):
+    if run_fingerprint(params, batch, spec.get("data_sha", "")) != previous.get("fingerprint"):
         return None
     return params
 
