@@ -232,3 +232,17 @@ def test_a_missing_or_integer_scale_is_refused_in_one_line(checkpoints, tmp_path
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(UsageError, match=message):
         _load(folder)
+
+
+def test_the_model_builder_loads_an_fp8_checkpoint_dequantized(checkpoints):
+    """model.pretrained pointing at a block-FP8 checkpoint: dsflow's builder (what train and
+    the planner use) gives the plain model with the dequantized weights, config unquantized."""
+    from dsflow.model.build import build_model, load_checkpoint_config
+
+    _, _, quantized, _ = checkpoints
+    config = load_checkpoint_config(str(quantized))
+    assert not hasattr(config, "quantization_config")
+    built = build_model(config, device_type="cpu", pretrained=str(quantized))
+    direct = _load(quantized).state_dict()
+    for name, tensor in built.state_dict().items():
+        torch.testing.assert_close(tensor, direct[name], rtol=0, atol=0, msg=name)

@@ -12,6 +12,7 @@ from typing import Any
 
 from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
+from dsflow.model import fp8
 from dsflow.model.presets import FAMILIES, config_class, config_problems
 
 # The HF model class of each family (presets.FAMILIES).
@@ -97,7 +98,9 @@ def load_pretrained(pretrained: str, tokens: int, **kwargs: Any) -> Any:
     check_vocab_fits(pretrained, ck_config.vocab_size, tokens)
     _check_weight_files(pretrained)
     try:
-        model, info = model_class(ck_config.model_type).from_pretrained(
+        # A block-FP8 checkpoint (DeepSeek-V3's published weights) is dequantized on load.
+        model, info = fp8.from_pretrained(
+            model_class(ck_config.model_type),
             pretrained,
             config=ck_config,
             use_safetensors=True,
@@ -105,6 +108,8 @@ def load_pretrained(pretrained: str, tokens: int, **kwargs: Any) -> Any:
             ignore_mismatched_sizes=True,  # reported below in one line, not raised at length
             **kwargs,
         )
+    except UsageError:  # fp8's one-line refusals
+        raise
     except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError, shape errors...
         detail = " ".join(str(exc).split())
         raise UsageError(
@@ -189,7 +194,9 @@ def load_checkpoint_config(pretrained: str) -> Any:
                 f"model.pretrained {pretrained!r} has model_type {model_type!r}; dsflow trains "
                 f"{' and '.join(map(repr, FAMILIES))} checkpoints"
             )
-        config = config_class(model_type).from_pretrained(pretrained)
+        fp8.block_size(pretrained)  # refuses any quantization but DeepSeek's block FP8
+        # Dequantized on load, so the model and what it saves carry no quantization_config.
+        config = fp8.strip(config_class(model_type).from_pretrained(pretrained))
     except UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 - bad JSON, strict-dataclass validation, ...
