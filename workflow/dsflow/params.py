@@ -131,7 +131,17 @@ def validate(params: dict, source: str = "params.yaml") -> dict:
         raise UsageError(one_line(_format_error(err, source)))
     params = fill_defaults(params, schema)
     check_model(params["model"], source)
+    check_finetune(params, source)
     return params
+
+
+def check_finetune(params: dict, source: str) -> None:
+    """LoRA adapts an existing model: it needs one to load and freeze."""
+    if params["train"]["finetune"] == "lora" and not params["model"]["pretrained"]:
+        raise UsageError(
+            f"{source}: train.finetune: lora needs model.pretrained (the checkpoint whose weights "
+            "stay frozen); set model.pretrained, or train.finetune: full to train every weight"
+        )
 
 
 def check_model(model: dict, source: str) -> None:

@@ -50,6 +50,7 @@ rule tokenizer:
             "data/shards.py",
             "data/tokenizer.py",
             "model/build.py",
+            "model/fp8.py",
             "model/presets.py",
             "model/source.py",
             "atomic.py",

@@ -46,6 +46,7 @@ rule plan:
     input:
         code(
             "model/build.py",
+            "model/fp8.py",
             "model/flops.py",
             "model/presets.py",
             "model/source.py",

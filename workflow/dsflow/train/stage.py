@@ -101,6 +101,8 @@ def resolve_run(params: dict) -> dict:
     ds_config = built = dsconfig.build(train, batch, steps, device)
     if train["ds_config"]:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
+        if train["finetune"] == "lora":
+            dsconfig.check_lora_optimizer(ds_config, f"train.ds_config {train['ds_config']}")
     # Decided once, here (impossible settings fail in one line); the ranks read it from run.json.
     perf = fastpaths.resolve(
         train.get("perf", {}),
