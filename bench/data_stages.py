@@ -4,16 +4,20 @@
 
 Two layouts: many small files (about 2 KB each) and a few big ones (4 files), each at two sizes
 `--scale` times apart. For each corpus the bench first reads every file in plain Python (open,
-read in 8 MB blocks, decode UTF-8), then runs download, tokenizer, tokenize and shard, each in a
-fresh process that loads params.yaml and calls the stage's `run`, timed around that call (imports,
-transformers' included, excluded). CPU seconds count the stage's process and its workers; MB per CPU second does not
-depend on other load on the machine. Peak RSS is sampled every 20 ms over the stage's process
-and its workers (summed).
+read in 8 MB blocks, decode UTF-8), then reads them again and compresses every block with zstd
+at the level the download writes (the floor of a stage that must store the text compressed),
+then runs download, tokenizer, tokenize and shard, each in a fresh process that loads
+params.yaml and calls the stage's `run`, timed around that call (imports, transformers'
+included, excluded). CPU seconds count the stage's process and its workers; MB per CPU second
+depends far less than MB/s on other load on the machine. Peak RSS is sampled every 20 ms over
+the stage's process and its workers (summed).
 
 The tokenizer trains on a sample of `--small-mb` MB at both sizes (tokenizer.sample_bytes), so
 its time and memory should not grow with the corpus. The tokenize stage's rate per process is
-compared with a plain single-process `Tokenizer.encode_batch_fast` loop over the same train
-texts (the first `--small-mb` MB), measured in the same run, at num_proc 1 and `--num-proc`.
+compared with a plain single-threaded `Tokenizer.encode_batch_fast` loop over the same train
+texts (the first `--small-mb` MB), measured in the same run: in one process, and in
+`--num-proc` processes at once (each on its share of the texts), the like-for-like baseline of
+the stage at num_proc `--num-proc`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pyarrow as pa
 import yaml
 
 from dsflow.data import grammar
@@ -87,6 +92,19 @@ def plain_read(folder: Path) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def plain_read_compress(folder: Path) -> tuple[float, float]:
+    """(seconds, CPU seconds) to read and decode every file and zstd-compress each block, as
+    the download's Parquet writer does (level 1, Arrow's default)."""
+    codec = pa.Codec("zstd", 1)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for path in sorted(folder.iterdir()):
+        with open(path, "rb") as f:
+            while block := f.read(8 << 20):
+                block.decode("utf-8")
+                codec.compress(block, asbytes=False)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
 def run_stage(project: Path, stage: str) -> tuple[float, float, float]:
     """(seconds inside run, CPU seconds, peak summed RSS in MB) of one stage in a fresh
     process."""
@@ -134,30 +152,49 @@ def make_project(work: Path, corpus: Path, sample_mb: float, num_proc: int) -> P
     return project
 
 
-def plain_encode(project: Path, mb: float) -> float:
-    """MB per CPU second of a plain single-process, single-thread encode_batch_fast loop."""
-    code = f"""
-import os, time
+PLAIN_ENCODE = """
+import os, sys, time
 os.environ["RAYON_NUM_THREADS"] = "1"
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
+mb, part, parts = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 tok = Tokenizer.from_file("data/tokenizer/tokenizer.json")
 texts, size = [], 0
 for t in pq.read_table("data/raw/train.parquet").column("text").to_pylist():
     texts.append(t); size += len(t.encode())
-    if size >= {mb * 1e6}: break
+    if size >= mb * 1e6: break
+texts = texts[part::parts]
+size = sum(len(t.encode()) for t in texts)
 t0 = time.process_time()
 for i in range(0, len(texts), 1000):
     [e.ids for e in tok.encode_batch_fast(texts[i:i + 1000], add_special_tokens=False)]
-print(size / 1e6 / (time.process_time() - t0))
+print(size / 1e6, time.process_time() - t0)
 """
+
+
+def plain_encode(project: Path, mb: float, processes: int) -> float:
+    """MB per CPU second per process of a plain single-thread encode_batch_fast loop over the
+    first `mb` MB of the train split, cut in `processes` shares encoded at once."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=project, env=env, capture_output=True, text=True
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"plain encode failed:\n{out.stderr[-3000:]}")
-    return float(out.stdout.strip())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PLAIN_ENCODE, str(mb), str(i), str(processes)],
+            cwd=project,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    size = cpu = 0.0
+    for proc in procs:
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"plain encode failed:\n{err[-3000:]}")
+        part_mb, part_cpu = map(float, out.split())
+        size, cpu = size + part_mb, cpu + part_cpu
+    return size / cpu
 
 
 def bench_corpus(work: Path, layout: str, mb: float, args) -> dict:
@@ -165,15 +202,18 @@ def bench_corpus(work: Path, layout: str, mb: float, args) -> dict:
     size = make_corpus(corpus, mb, layout)
     n_files = len(list(corpus.iterdir()))
     read = plain_read(corpus)
+    compressed = plain_read_compress(corpus)
     project = make_project(work, corpus, args.small_mb, args.num_proc)
     row = {"layout": layout, "files": n_files, "MB": size / 1e6, "read": read}
+    row["read_zstd"] = compressed
     for stage in STAGES:
         row[stage] = run_stage(project, stage)
     sample = json.loads((project / "data/raw/manifest.json").read_text())["splits"]["train"]
     row["sample_MB"] = min(sample["bytes"], args.small_mb * 1e6) / 1e6
     row["train_MB"] = sample["bytes"] / 1e6
     if mb == args.small_mb:
-        row["encode"] = plain_encode(project, args.small_mb)
+        row["encode"] = plain_encode(project, args.small_mb, 1)
+        row["encode_np"] = plain_encode(project, args.small_mb, args.num_proc)
         params = yaml.safe_load((project / "params.yaml").read_text())
         params["tokenize"]["num_proc"] = 1
         (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -188,6 +228,7 @@ def print_rows(rows: list[dict], num_proc: int) -> None:
     print(f"\n{head}{'MB/cpu-s':>10}{'peak RSS MB':>13}")
     for r in rows:
         steps = [("plain read+decode", (*r["read"], 0), r["MB"])]
+        steps.append(("read+decode+zstd", (*r["read_zstd"], 0), r["MB"]))
         for stage in STAGES:
             label = f"tokenize (np={num_proc})" if stage == "tokenize" else stage
             label = "tokenizer (sample)" if stage == "tokenizer" else label
@@ -203,6 +244,8 @@ def print_rows(rows: list[dict], num_proc: int) -> None:
             )
         if "encode" in r:
             print(f"{'':<22}{'plain encode_batch':<22}{'':>24}{r['encode']:>10.2f}")
+            label = f"plain encode_batch x{num_proc}"
+            print(f"{'':<22}{label:<22}{'':>24}{r['encode_np']:>10.2f}")
 
 
 def print_ratios(rows: list[dict], num_proc: int) -> None:
@@ -210,18 +253,20 @@ def print_ratios(rows: list[dict], num_proc: int) -> None:
     for r in rows:
         wall = r["read"][0] / r["download"][0]
         cpu = r["read"][1] / r["download"][1]
+        floor = r["read_zstd"][1] / r["download"][1]
         print(
             f"{r['layout']} {r['MB']:.0f} MB: download / plain read = {wall:.2f} in wall time, "
-            f"{cpu:.2f} in CPU time"
+            f"{cpu:.2f} in CPU time; download / (read + zstd) = {floor:.2f} in CPU time"
         )
     for r in rows:
         if "tokenize1" in r:
-            # Per process: MB per CPU second, so other load on the machine does not count.
+            # Per process: MB per CPU second, so other load on the machine counts little.
             one = r["MB"] / r["tokenize1"][1] / r["encode"]
-            many = r["MB"] / r["tokenize"][1] / r["encode"]
+            many = r["MB"] / r["tokenize"][1]
             print(
                 f"{r['layout']}: tokenize per process / plain encode_batch = {one:.2f} at "
-                f"num_proc=1, {many:.2f} at num_proc={num_proc} (MB per CPU second)"
+                f"num_proc=1, {many / r['encode']:.2f} at num_proc={num_proc}; against "
+                f"{num_proc} plain loops at once {many / r['encode_np']:.2f} (MB per CPU second)"
             )
     for stage in STAGES:
         for layout in ("many", "few"):
