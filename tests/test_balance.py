@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsflow.model.balance import ExpertBalancer, aggregate_stats, load_stats
+from conftest import tiny_v2
+from dsflow.model.balance import ExpertBalancer, aggregate_stats, from_params, load_stats
 from dsflow.model.build import build_model
 from dsflow.model.presets import model_config
 
@@ -310,6 +311,120 @@ def test_seq_aux_not_stashed_in_eval_or_no_grad():
     with torch.no_grad(), pytest.warns(UserWarning, match="without autograd"):
         model(ids)
     assert bal._aux == [] and bal.aux_loss().item() == 0.0
+
+
+# --------------------------------------------------------------------------- DeepSeek-V2
+
+
+def _tiny_v2(seed=0, vocab=256, **overrides):
+    torch.manual_seed(seed)
+    config = model_config("deepseek-v2-lite", vocab, tiny_v2(**overrides))
+    return build_model(config, device_type="cpu")
+
+
+def _moegate(hidden, weight, cfg, bsz, seq_len):
+    """DeepSeek-V2's MoEGate.forward (DeepSeek's modeling_deepseek.py), written out again:
+    softmax scores, greedy or group-limited greedy top-k, top-k weights scaled, and the
+    expert-level balance loss per sequence (seq_aux) or over the whole batch."""
+    import torch.nn.functional as F
+
+    n_exp, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]).float(), weight.float())
+    scores = logits.softmax(dim=-1, dtype=torch.float32)
+    if cfg.topk_method == "greedy":
+        topk_weight, topk_idx = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    else:
+        group_scores = scores.view(bsz * seq_len, cfg.n_group, -1).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = (
+            group_mask.unsqueeze(-1)
+            .expand(bsz * seq_len, cfg.n_group, n_exp // cfg.n_group)
+            .reshape(bsz * seq_len, -1)
+        )
+        tmp_scores = scores.masked_fill(~score_mask.bool(), 0.0)
+        topk_weight, topk_idx = torch.topk(tmp_scores, k=top_k, dim=-1, sorted=False)
+    topk_weight = topk_weight * cfg.routed_scaling_factor  # norm_topk_prob is false
+    idx = topk_idx.view(bsz, -1)
+    if cfg.seq_aux:
+        ce = torch.zeros(bsz, n_exp).scatter_add_(1, idx, torch.ones(bsz, seq_len * top_k))
+        ce = ce.div_(seq_len * top_k / n_exp)
+        aux = (ce * scores.view(bsz, seq_len, -1).mean(dim=1)).sum(dim=1).mean()
+    else:
+        ce = F.one_hot(idx.view(-1), num_classes=n_exp).float().mean(0)
+        aux = (scores.mean(0) * ce * n_exp).sum()
+    return topk_idx, topk_weight, aux * cfg.aux_loss_alpha
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"seq_aux": False, "aux_loss_alpha": 0.01},
+        {
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 16.0,
+        },
+    ],
+    ids=["greedy-seq", "greedy-batch", "group-limited"],
+)
+def test_v2_router_and_balance_loss_match_hf_and_deepseeks_gate(overrides):
+    """HF's DeepseekV2ForCausalLM routes as DeepSeek's MoEGate; the balancer counts what HF
+    routes and adds MoEGate's balance loss (summed over the MoE layers); the training loss
+    is HF's own; the aux loss alone reaches every router."""
+    from dsflow.model.loss import TrainingLM
+
+    model = _tiny_v2(**overrides).train()
+    bal, line = from_params(model, {"gamma": 0.5, "seq_aux_alpha": 0.3, "aux_loss_alpha": "auto"})
+    assert bal.seq_aux is model.config.seq_aux and bal.gamma == 0.0
+    assert bal.seq_aux_alpha == model.config.aux_loss_alpha
+    seen = []
+    for _, r in bal.routers:
+        r.register_forward_hook(lambda m, a, out: seen.append((m, a[0].detach(), out)))
+    ids = _chain_batch(torch.Generator().manual_seed(0), torch.randperm(256), batch=3, seq=21)
+    hf_loss = model(input_ids=ids, labels=ids).loss
+    aux = bal.aux_loss()
+    want = 0.0
+    for router, hidden, (_, weights, indices) in seen:
+        ref_idx, ref_w, ref_aux = _moegate(hidden, router.weight, model.config, 3, 21)
+        assert torch.equal(indices.sort(-1).values, ref_idx.sort(-1).values)
+        torch.testing.assert_close(weights.sort(-1).values, ref_w.sort(-1).values)
+        want += ref_aux
+    torch.testing.assert_close(aux, want, rtol=1e-5, atol=0)
+    assert aux > 0
+    counts = torch.stack([torch.bincount(o[2].flatten(), minlength=8) for *_, o in seen])
+    assert torch.equal(bal.counts(), counts)
+    mean = TrainingLM(model)(ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(mean, hf_loss, rtol=1e-5, atol=1e-6)
+    model.zero_grad()
+    bal.aux_loss()  # the TrainingLM forward's stash
+    model(ids)
+    bal.aux_loss().backward()
+    assert all(r.weight.grad.abs().sum() > 0 for _, r in bal.routers)
+    assert model.lm_head.weight.grad is None  # the aux loss touches the routers' inputs only
+
+
+def test_v2_balancer_keeps_stats_and_has_no_bias_to_move_or_save():
+    model = _tiny_v2().train()
+    bal, line = from_params(model, {"gamma": 0.5, "seq_aux_alpha": 0.3, "aux_loss_alpha": 0.02})
+    assert bal.softmax and bal.biases == [] and bal.seq_aux_alpha == 0.02
+    assert "deepseek_v2" in line and "alpha 0.02 (train.balance.aux_loss_alpha)" in line
+    model(torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2)))
+    stats = bal.update()
+    assert [s["tokens"] for s in stats["layers"].values()] == [2 * 32 * 2] * 3
+    assert "bias_abs_max" not in stats and int(bal.counts().sum()) == 0
+    assert bal.bias_state() == []
+    bal.load_bias_state([])  # a checkpoint of a V2 run
+    bal.sync_bias()
+    with pytest.raises(ValueError, match="1 router biases for 0 routers"):
+        bal.load_bias_state([torch.zeros(8)])
+    _, line = from_params(_tiny_v2(seq_aux=False), {"gamma": 0.0, "seq_aux_alpha": 0.0})
+    assert "batch-wise balance loss, alpha 0.001 (the model config's aux_loss_alpha)" in line
+    v3, line = from_params(_tiny(vocab=256), {"gamma": 0.002, "seq_aux_alpha": 0.0003})
+    assert (v3.gamma, v3.seq_aux_alpha, v3.softmax, len(v3.biases)) == (0.002, 0.0003, False, 3)
+    assert line.startswith("deepseek_v3: aux-loss-free routing bias, gamma 0.002")
 
 
 # --------------------------------------------------------------------------- training runs

@@ -1,14 +1,21 @@
-"""Expert load balancing for HF ``DeepseekV3ForCausalLM`` training.
+"""Expert load balancing for HF ``DeepseekV3ForCausalLM`` and ``DeepseekV2ForCausalLM``
+training, as each family was trained.
 
-Hugging Face ships DeepSeek-V3's router (``DeepseekV3TopkRouter``) with the
-``e_score_correction_bias`` buffer used for routing but never updated, and no auxiliary
-loss. :class:`ExpertBalancer` adds DeepSeek-V3's training-time balancing (paper section 2.1.2):
+Hugging Face ships both routers without their training-time balancing. DeepSeek-V3's
+(``DeepseekV3TopkRouter``, sigmoid scores) has the ``e_score_correction_bias`` buffer used for
+routing but never updated, and no auxiliary loss. :class:`ExpertBalancer` adds DeepSeek-V3's
+balancing (paper section 2.1.2):
 
 - auxiliary-loss-free balancing: after every optimizer step, each router's bias moves by
   ``gamma * sign(mean_load - load)`` -- up for underloaded experts, down for overloaded
   ones -- from the step's token counts summed over all micro-batches and data-parallel
   ranks (so the update is identical everywhere);
 - optionally the complementary sequence-wise auxiliary loss (eqs. 17-20), ``seq_aux_alpha``.
+
+DeepSeek-V2's router (``DeepseekV2TopkRouter``, softmax scores) has no bias: the balancer adds
+DeepSeek-V2's expert-level balance loss (paper section 2.2.4, ``MoEGate`` of DeepSeek's code),
+weighted by the config's ``aux_loss_alpha``, per sequence (``seq_aux``) or over the micro-batch.
+Both keep the token counts and their statistics. :func:`from_params` picks the family's.
 
 Dtypes: the bias must stay fp32 (small ``gamma`` steps vanish in bf16). HF keeps it fp32 in
 ``from_pretrained`` (``_keep_in_fp32_modules_strict``) but ``from_config(dtype=bf16)`` and
@@ -82,22 +89,64 @@ def aggregate_stats(per_layer: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def find_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    """``(decoder layer index, router)`` of every ``DeepseekV3MoE`` block, in layer order."""
+def moe_block_classes() -> tuple[type, ...]:
+    """The MoE block of each family: ``DeepseekV3MoE``, ``DeepseekV2Moe``."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
+    return DeepseekV3MoE, DeepseekV2Moe
+
+
+def find_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """``(decoder layer index, router)`` of every MoE block of either family, in layer order."""
+    blocks = moe_block_classes()
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, DeepseekV3MoE):
+        if isinstance(module, blocks):
             match = re.search(r"layers\.(\d+)\.", name + ".")
             layer = int(match.group(1)) if match else len(found)
             found.append((layer, module.gate))
     return found
 
 
+# DeepSeek's own DeepseekV2Config defaults, for a DeepSeek-V2 config without the keys.
+V2_DEFAULTS = {"aux_loss_alpha": 0.001, "seq_aux": True}
+
+
+def from_params(model: torch.nn.Module, balance: dict[str, Any]) -> tuple[ExpertBalancer, str]:
+    """The balancer ``train.balance`` asks for, as the model's family was trained, and one
+    line saying which balancing that is. DeepSeek-V3: the routing bias (``gamma``) and the
+    sequence-wise aux loss (``seq_aux_alpha``). DeepSeek-V2: its balance loss, weighted by
+    ``aux_loss_alpha`` (``auto``: the model config's) in the config's ``seq_aux`` form."""
+    config = model.config
+    if not find_routers(model):
+        return ExpertBalancer(model, gamma=0.0), "none (no MoE layers)"
+    if config.model_type != "deepseek_v2":
+        gamma, alpha = balance["gamma"], balance["seq_aux_alpha"]
+        line = (
+            f"deepseek_v3: aux-loss-free routing bias, gamma {gamma:g} (train.balance.gamma), "
+            f"and the sequence-wise aux loss, alpha {alpha:g} (train.balance.seq_aux_alpha)"
+        )
+        return ExpertBalancer(model, gamma=gamma, seq_aux_alpha=alpha), line
+    alpha, source = balance.get("aux_loss_alpha", "auto"), "train.balance.aux_loss_alpha"
+    if alpha == "auto":
+        alpha = getattr(config, "aux_loss_alpha", None)
+        source = "the model config's aux_loss_alpha"
+        if alpha is None:
+            alpha, source = V2_DEFAULTS["aux_loss_alpha"], "DeepSeek-V2's default aux_loss_alpha"
+    seq_aux = getattr(config, "seq_aux", V2_DEFAULTS["seq_aux"])
+    line = (
+        f"deepseek_v2: DeepSeek-V2's {'sequence' if seq_aux else 'batch'}-wise balance loss, "
+        f"alpha {alpha:g} ({source}); no routing bias (train.balance.gamma and seq_aux_alpha "
+        "are deepseek_v3's)"
+    )
+    return ExpertBalancer(model, gamma=0.0, seq_aux_alpha=alpha, seq_aux=seq_aux), line
+
+
 class ExpertBalancer:
-    """DeepSeek-V3 auxiliary-loss-free balancing (+ optional sequence-wise aux loss) for a
-    ``DeepseekV3ForCausalLM``, through forward hooks on its routers.
+    """Expert balancing of either family through forward hooks on its routers: DeepSeek-V3's
+    auxiliary-loss-free bias (+ optional sequence-wise aux loss), or DeepSeek-V2's balance
+    loss (routers without a bias: nothing to update, the counts still give the stats).
 
     Per training step::
 
@@ -112,15 +161,27 @@ class ExpertBalancer:
     eval/generation, wrap it in :meth:`collecting` and read :meth:`eval_stats`.
 
     ``gamma``: bias update speed (DeepSeek-V3 used 0.001, then 0.0 for the last 500B tokens);
-    0 keeps the biases fixed but still reports stats. ``seq_aux_alpha``: weight of the
-    sequence-wise balance loss (DeepSeek-V3: 0.0001); 0 disables it.
+    0 keeps the biases fixed but still reports stats; no effect on routers without a bias.
+    ``seq_aux_alpha``: weight of the balance loss (DeepSeek-V3: 0.0001, DeepSeek-V2: its
+    config's ``aux_loss_alpha``); 0 disables it. ``seq_aux``: the loss per sequence, averaged
+    over the micro-batch's sequences (True), or over all the micro-batch's tokens as one
+    sequence (False, DeepSeek-V2's ``seq_aux: false``). The scores are the family's: V3's
+    sigmoid scores normalised over the experts (eq. 19), V2's softmax.
     """
 
-    def __init__(self, model: torch.nn.Module, *, gamma: float = 1e-3, seq_aux_alpha: float = 0.0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        gamma: float = 1e-3,
+        seq_aux_alpha: float = 0.0,
+        seq_aux: bool = True,
+    ):
         if gamma < 0 or seq_aux_alpha < 0:
             raise ValueError("gamma and seq_aux_alpha must be >= 0")
         self.gamma = float(gamma)
         self.seq_aux_alpha = float(seq_aux_alpha)
+        self.seq_aux = bool(seq_aux)
         self.routers = find_routers(model)
         self.layers = [layer for layer, _ in self.routers]
         self.n_experts = self.routers[0][1].num_experts if self.routers else 0
@@ -130,14 +191,21 @@ class ExpertBalancer:
         self._aux: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (logits, top-k, batch)
         self._warned_no_grad = False
         self._traced = False
-        for _, router in self.routers:
-            bias = router.e_score_correction_bias
+        self.softmax = bool(self.routers) and not self.biases  # DeepSeek-V2's routers
+        for bias in self.biases:
             if bias.dtype != torch.float32:
                 bias.data = bias.data.float()
         self._handles = [
             router.register_forward_hook(self._make_hook(i), with_kwargs=True)
             for i, (_, router) in enumerate(self.routers)
         ]
+
+    @property
+    def biases(self) -> list[torch.Tensor]:
+        """Every router's bias, in layer order: DeepSeek-V3's routers carry one, V2's none.
+        Looked up each time: moving the model to a device replaces its buffers."""
+        found = [getattr(r, "e_score_correction_bias", None) for _, r in self.routers]
+        return [bias for bias in found if bias is not None]
 
     # ------------------------------------------------------------------ hooks
     def _make_hook(self, index: int):
@@ -243,23 +311,30 @@ class ExpertBalancer:
             stash = module._dsflow_aux if self._traced else self._aux
             stash.append((router_logits, topk_indices, batch))
 
-    def _seq_aux(self, logits: torch.Tensor, topk: torch.Tensor, batch: int) -> torch.Tensor:
-        """sum_i f_i P_i averaged over the batch's sequences, for one layer (eqs. 18-20)."""
+    def _balance_loss(self, logits: torch.Tensor, topk: torch.Tensor, batch: int) -> torch.Tensor:
+        """sum_i f_i P_i averaged over the batch's sequences, for one layer: DeepSeek-V3's
+        eqs. 18-20 (sigmoid scores normalised over the experts), or DeepSeek-V2's expert-level
+        balance loss (softmax scores); with ``seq_aux`` False the micro-batch is one sequence."""
         n_exp, k = self.n_experts, topk.shape[-1]
-        scores = logits.float().sigmoid().view(batch, -1, n_exp)  # s_{i,t}, with grad
+        seqs = batch if self.seq_aux else 1
+        if self.softmax:
+            scores = logits.float().softmax(-1).view(seqs, -1, n_exp)  # s_{i,t}, with grad
+        else:
+            scores = logits.float().sigmoid().view(seqs, -1, n_exp)
+            scores = scores / scores.sum(-1, keepdim=True)
         seq_len = scores.shape[1]
-        p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # P_i per sequence, [B, E]
+        p = scores.mean(1)  # P_i per sequence, [seqs, E]
         with torch.no_grad():
-            hits = torch.zeros(batch, n_exp, dtype=scores.dtype, device=scores.device)
-            idx = topk.reshape(batch, seq_len * k)
+            hits = torch.zeros(seqs, n_exp, dtype=scores.dtype, device=scores.device)
+            idx = topk.reshape(seqs, seq_len * k)
             hits.scatter_add_(1, idx, torch.ones_like(idx, dtype=scores.dtype))
-            f = hits * (n_exp / (k * seq_len))  # f_i per sequence, [B, E]
+            f = hits * (n_exp / (k * seq_len))  # f_i per sequence, [seqs, E]
         return (f * p).sum(-1).mean()
 
     # ------------------------------------------------------------------ aux loss
     def aux_loss(self) -> torch.Tensor:
-        """``seq_aux_alpha * sum over MoE layers of the sequence-wise balance loss`` of the
-        forwards since the last call (one micro-batch); a 0 tensor when disabled or empty.
+        """``seq_aux_alpha * sum over MoE layers of the balance loss`` of the forwards since
+        the last call (one micro-batch); a 0 tensor when disabled or empty.
         Clears the stash: call once per micro-batch, before backward."""
         if self._traced:
             for _, router in self.routers:
@@ -268,13 +343,13 @@ class ExpertBalancer:
         if not self._aux:
             device = self.routers[0][1].weight.device if self.routers else "cpu"
             return torch.zeros((), device=device)
-        total = torch.stack([self._seq_aux(*item) for item in self._aux]).sum()
+        total = torch.stack([self._balance_loss(*item) for item in self._aux]).sum()
         self._aux = []
         return total * self.seq_aux_alpha
 
     # ------------------------------------------------------------------ bias updates
     def _device(self) -> torch.device:
-        return self.routers[0][1].e_score_correction_bias.device
+        return self.routers[0][1].weight.device
 
     def _reduced(self, which: str, group: Any) -> torch.Tensor:
         counts = self._buffer(which, self._device())
@@ -302,9 +377,13 @@ class ExpertBalancer:
         if not self.routers:
             return {}
         counts = self._reduced("_counts", group)
-        biases = [r.e_score_correction_bias for _, r in self.routers]
+        snapshot = {"counts": counts.clone()}
+        counts.zero_()
+        biases = self.biases
+        if not biases:  # DeepSeek-V2's routers: nothing to move
+            return snapshot
         if self.gamma > 0 and applied is not False:
-            load = counts.to(torch.float64)
+            load = snapshot["counts"].to(torch.float64)
             step = torch.sign(load.mean(-1, keepdim=True) - load) * self.gamma
             if isinstance(applied, torch.Tensor):
                 step = step * applied.to(device=step.device, dtype=step.dtype)
@@ -312,8 +391,7 @@ class ExpertBalancer:
             with torch.no_grad():
                 torch._foreach_add_(biases, list(step.unbind(0)))
         norms = torch._foreach_norm([b.detach() for b in biases], float("inf"))
-        snapshot = {"counts": counts.clone(), "bias_abs_max": torch.stack(norms).max()}
-        counts.zero_()
+        snapshot["bias_abs_max"] = torch.stack(norms).max()
         return snapshot
 
     def stats_of(self, snapshot: dict[str, Any]) -> dict[str, Any]:
@@ -322,29 +400,31 @@ class ExpertBalancer:
         if not snapshot:
             return aggregate_stats({})
         stats = self._stats(snapshot["counts"])
-        stats["bias_abs_max"] = float(snapshot["bias_abs_max"])
+        if "bias_abs_max" in snapshot:
+            stats["bias_abs_max"] = float(snapshot["bias_abs_max"])
         return stats
 
     def sync_bias(self, group: Any = None) -> None:
         """Broadcast every router bias from the group's first rank (DeepSpeed broadcasts
         parameters at start-up, not buffers). No-op without torch.distributed."""
-        if not (dist.is_available() and dist.is_initialized()) or not self.routers:
+        if not (dist.is_available() and dist.is_initialized()) or not self.biases:
             return
         src = dist.get_global_rank(group, 0) if group is not None else 0
-        for _, router in self.routers:
-            dist.broadcast(router.e_score_correction_bias, src=src, group=group)
+        for bias in self.biases:
+            dist.broadcast(bias, src=src, group=group)
 
     def bias_state(self) -> list[torch.Tensor]:
-        """Every router's bias (CPU copies, layer order), e.g. for a checkpoint's client state."""
-        return [r.e_score_correction_bias.detach().cpu().clone() for _, r in self.routers]
+        """Every router's bias (CPU copies, layer order), e.g. for a checkpoint's client state;
+        empty for routers without one (DeepSeek-V2's)."""
+        return [bias.detach().cpu().clone() for bias in self.biases]
 
     def load_bias_state(self, biases: list[torch.Tensor]) -> None:
         """Restore what :meth:`bias_state` returned (the same model shape)."""
-        if len(biases) != len(self.routers):
-            raise ValueError(f"{len(biases)} router biases for {len(self.routers)} routers")
+        if len(biases) != len(self.biases):
+            raise ValueError(f"{len(biases)} router biases for {len(self.biases)} routers")
         with torch.no_grad():
-            for (_, router), bias in zip(self.routers, biases, strict=True):
-                router.e_score_correction_bias.copy_(bias)
+            for mine, bias in zip(self.biases, biases, strict=True):
+                mine.copy_(bias)
 
     # ------------------------------------------------------------------ eval statistics
     @contextmanager
