@@ -198,3 +198,37 @@ def test_fast_paths_give_the_adapters_the_plain_paths_gradients():
     for name, grad in grads_p.items():
         assert grads_f[name] is not None, name
         torch.testing.assert_close(grads_f[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _plan(finetune: str):
+    import argparse
+
+    import yaml
+
+    from dsflow import params as params_mod
+    from dsflow.plan import stage
+
+    root = Path(__file__).resolve().parent.parent
+    params = params_mod.validate(yaml.safe_load((root / "params.yaml").read_text()))
+    parser = argparse.ArgumentParser()
+    stage.add_arguments(parser)
+    argv = "--model deepseek-v2-lite --gpus 3 --gpu-mem 24 --host-mem 128 --disk 500"
+    argv += f" --seq-len 1024 --micro-batch 1 --finetune {finetune}"
+    return stage.build_plan(params, parser.parse_args(argv.split()))
+
+
+def test_the_write_ups_case_lora_fits_3x24gb_and_a_full_finetune_needs_offload():
+    """DeepSeek-V2-Lite on 3 x 24 GB with 128 GB of host RAM: LoRA fits at ZeRO-3 (with
+    activation checkpointing, all on the GPUs); a full fine-tune fits no layout there, and the
+    smallest machine for it offloads the optimizer to far more host RAM."""
+    lora_plan = _plan("lora")
+    rec = lora_plan["recommendation"]
+    assert rec["fits"] and rec["zero_stage"] == 3 and not rec["offload_optimizer"]
+    assert 12 < rec["gpu_gb"] < 24 and rec["host_gb"] < 128
+    assert rec["disk_gb"] < 40  # the checkpoints hold the adapters alone
+    assert lora_plan["summary"]["params_trainable"] < 0.01 * lora_plan["summary"]["params_total"]
+
+    full = _plan("full")
+    assert not any(s["fits"] for s in full["strategies"] if s.get("preset") is None)
+    smallest = full["smallest_machine"]
+    assert "offload" in smallest["strategy"] and smallest["host_bytes"] > 250e9

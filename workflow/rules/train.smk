@@ -47,6 +47,7 @@ rule plan:
         code(
             "model/build.py",
             "model/fp8.py",
+            "model/lora.py",
             "model/flops.py",
             "model/presets.py",
             "model/source.py",

@@ -117,7 +117,7 @@ def _disk_verdict(estimate: dict, disk: tuple[int | None, int] | None) -> tuple[
     if need <= free:
         return True, f"disk {memory.fmt_gb(need)} of {memory.fmt_gb(free)}"
     inp, P = estimate["inputs"], estimate["params"]["total"]
-    ckpt = memory.checkpoint_bytes(P, inp["precision"], inp["zero_stage"])
+    ckpt = memory.checkpoint_bytes(P, inp["precision"], inp["zero_stage"], inp["lora_adapter"])
     swap = estimate["nvme"]["node_total"]
     return False, (
         f"needs {memory.fmt_gb(need)} of disk, {memory.fmt_gb(free)} free ({checkpoints} "

@@ -518,11 +518,14 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
 # --------------------------------------------------------------------------- summary
 
 
-def checkpoint_bytes(P: int, precision: str, zero_stage: int) -> int:
+def checkpoint_bytes(P: int, precision: str, zero_stage: int, trainable: int = 0) -> int:
     """One DeepSpeed checkpoint on disk: the 16-bit module weights (mp_rank_00_model_states.pt;
     not at ZeRO-3, whose fp32 partitions suffice) and every rank's fp32 master + Adam m, v
-    partitions (zero_pp_rank_*_optim_states.pt): 2 + 12 = 14 B/param under mixed precision."""
-    module = 0 if zero_stage == 3 else bytes_per_element(precision) * P
+    partitions (zero_pp_rank_*_optim_states.pt): 2 + 12 = 14 B/param under mixed precision.
+    Under LoRA (``trainable`` adapter parameters) both files hold the adapters alone: the
+    frozen base is not saved (it is reloaded from model.pretrained on resume)."""
+    P = trainable or P
+    module = 0 if zero_stage == 3 and not trainable else bytes_per_element(precision) * P
     if precision == "fp32":
         return module + (8 if zero_stage in (0, 3) else 12) * P
     return module + 12 * P
@@ -540,7 +543,7 @@ def disk_need(est: dict, checkpoints: int) -> int:
     """Disk a run laid out as ``est`` needs: ``checkpoints`` checkpoints, the exported HF model
     and NVMe offload's swap files."""
     inp, P = est["inputs"], est["params"]["total"]
-    ckpt = checkpoint_bytes(P, inp["precision"], inp["zero_stage"])
+    ckpt = checkpoint_bytes(P, inp["precision"], inp["zero_stage"], inp["lora_adapter"])
     export = bytes_per_element(inp["precision"]) * P
     return checkpoints * ckpt + export + est["nvme"]["node_total"]
 
@@ -554,15 +557,17 @@ def summary(
     zero_stage: int,
     keep_checkpoints: int,
     checkpoints: int | None = None,
+    trainable: int = 0,
 ) -> dict[str, Any]:
     """Parameter counts, FLOPs (the trainer's MFU formula) and on-disk sizes.
 
     ``checkpoints``: how many exist at once at the peak (:func:`checkpoints_on_disk`; default
     keep + 1), plus the exported HF model (models/final, safetensors in the training dtype).
+    ``trainable``: LoRA's adapter parameters (0: every parameter trains).
     """
     counts = presets.param_counts(config)
     P = counts["total"]
-    ckpt = checkpoint_bytes(P, precision, zero_stage)
+    ckpt = checkpoint_bytes(P, precision, zero_stage, trainable)
     export = bytes_per_element(precision) * P
     checkpoints = keep_checkpoints + 1 if checkpoints is None else checkpoints
     fpt = flops_per_token(config, seq_len)
@@ -570,6 +575,7 @@ def summary(
         "params_total": P,
         "params_activated": counts["activated"],
         "params_activated_non_embedding": counts["activated_non_embedding"],
+        "params_trainable": trainable or P,
         "flops_per_token": fpt,
         "tokens_per_step": tokens_per_step,
         "flops_per_step": fpt * tokens_per_step,

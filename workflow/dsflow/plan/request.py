@@ -12,7 +12,7 @@ from typing import Any
 
 from dsflow import dsconfig, machine
 from dsflow.errors import UsageError
-from dsflow.model import presets, source
+from dsflow.model import lora, presets, source
 from dsflow.model.build import load_checkpoint_config
 from dsflow.paths import shard_index
 from dsflow.plan import memory
@@ -100,6 +100,7 @@ class Request(memory.Setup):
             zero_stage=self.zero_stage,
             keep_checkpoints=self.keep_checkpoints,
             checkpoints=self.checkpoints,
+            trainable=self.lora_adapter,
         )
 
 
@@ -350,6 +351,23 @@ def _resources(
     }
 
 
+def _lora(train: dict, args: Any, config: Any, notes: list[str]) -> dict[str, int]:
+    """The memory setup's LoRA sizes (``--finetune`` / train.finetune with train.lora)."""
+    if (_arg(args, "finetune") or train.get("finetune", "full")) != "lora":
+        return {}
+    setting = train["lora"]
+    sizes = lora.counts(config, setting)
+    notes.append(
+        f"LoRA rank {setting['rank']} on {', '.join(setting['targets'])}: "
+        f"{sizes['adapter']:,} trainable parameters, the rest frozen"
+    )
+    return {
+        "lora_adapter": sizes["adapter"],
+        "lora_merged": sizes["merged"],
+        "lora_merged_layer": sizes["merged_layer"],
+    }
+
+
 def _checkpoints(train: dict, batch: dsconfig.Batch) -> dict[str, int]:
     """keep_checkpoints, and how many checkpoints exist at once at the peak of this run."""
     keep = int(train.get("keep_checkpoints", 2))
@@ -433,6 +451,7 @@ def resolve(
         offload_device=offload_device,
         # --gpus plans one machine; params plan train.nodes machines of train.gpus ranks each.
         nodes=1 if _arg(args, "gpus") else int(train.get("nodes", 1)),
+        **_lora(train, args, config, notes),
         **_checkpoints(train, dsconfig.Batch(micro, accum, world)),
         **where,
         nvme_path=nvme_path,

@@ -52,6 +52,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--offload-optimizer", action="store_true", default=None)
     parser.add_argument("--offload-params", action="store_true", default=None)
     parser.add_argument("--activation-checkpointing", action="store_true", default=None)
+    parser.add_argument(
+        "--finetune", choices=["full", "lora"], help="full or LoRA (train.lora's adapters)"
+    )
 
 
 def build_plan(

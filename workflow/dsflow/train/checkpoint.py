@@ -491,8 +491,14 @@ def save(run: Any, spec: Any, step: int, health: dict, faults: Any, last_good: s
     engine = run.engine
     try:
         with faults.disk_full(engine, step):
+            # LoRA: the frozen base comes from model.pretrained again on resume, so a
+            # checkpoint holds the adapters (and their optimizer states) alone.
             engine.save_checkpoint(
-                str(CHECKPOINTS), tag=tmp, client_state=client, save_latest=False
+                str(CHECKPOINTS),
+                tag=tmp,
+                client_state=client,
+                save_latest=False,
+                exclude_frozen_parameters=spec.lora_on,
             )
         faults.in_save(step)
         dist.barrier()
@@ -520,7 +526,7 @@ def resume(run: Any, spec: Any) -> tuple[int, dict | None]:
     if not spec.resume:
         return 0, None
     _, client = run.engine.load_checkpoint(
-        str(CHECKPOINTS), tag=spec.resume, load_module_strict=True
+        str(CHECKPOINTS), tag=spec.resume, load_module_strict=not spec.lora_on
     )
     if len(client["rng"]) == spec.world:
         set_rng_state(client["rng"][run.rank])
