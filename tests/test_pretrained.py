@@ -162,7 +162,7 @@ def test_a_hub_id_resolves_offline_by_branch_tag_and_commit(hub, tmp_path):
         ),
         (
             {"pretrained": "dsflow-test/absent"},
-            "model.pretrained: dsflow-test/absent is not in the Hugging Face cache",
+            "model.pretrained: dsflow-test/absent is no local folder and not in the Hugging Face",
         ),
         (
             {"pretrained": "dsflow-test/pickled"},

@@ -67,6 +67,7 @@ def _check_no_revision(name: str, revision: str | None) -> None:
 
 
 def hub_record(repo_id: str, revision: str | None, snapshot_dir: Path) -> dict:
+    """A snapshot's commit and files: name, size and blob hash, no path of this machine."""
     names = loadable(snapshot_dir)
     check_weights(f"{repo_id}@{snapshot_dir.name}", snapshot_dir, names, repo_id)
     files = [
@@ -159,8 +160,9 @@ def snapshot(repo_id: str, revision: str | None, *, download: bool) -> Path:
         ) from None
     except errors.RepositoryNotFoundError:  # and GatedRepoError
         raise UsageError(
-            f"model.pretrained: {repo_id} is not on the Hub, or it is private or gated: check "
-            "the id, or accept its terms and log in (hf auth login, or HF_TOKEN)"
+            f"model.pretrained: {repo_id} is no local folder, and on the Hub no repository or a "
+            "private or gated one: check the id, or accept its terms and log in (hf auth login, "
+            "or HF_TOKEN)"
         ) from None
     except errors.LocalEntryNotFoundError as e:  # offline, unreachable, or not downloading
         incomplete = isinstance(e, errors.IncompleteSnapshotError)
@@ -195,9 +197,9 @@ def not_cached(repo_id: str, rev: str, download: bool, incomplete: bool = False)
     if not download:
         return f"model.pretrained: {repo_id}@{rev} is not in the Hugging Face cache {cache} {why}"
     return (
-        f"model.pretrained: {repo_id} is not in the Hugging Face cache {cache} {why}: download "
-        "it once with network access (unset HF_HUB_OFFLINE), set HF_HOME to a cache that holds "
-        "it, or set model.pretrained to a local folder"
+        f"model.pretrained: {repo_id} is no local folder and not in the Hugging Face cache "
+        f"{cache} {why}: download it once with network access (unset HF_HUB_OFFLINE), set "
+        "HF_HOME to a cache that holds it, or set model.pretrained to a local folder"
     )
 
 
@@ -211,6 +213,7 @@ def cached_revisions(repo_dir: Path) -> list[str]:
 
 
 def folder_record(name: str) -> dict:
+    """A local folder's files (name, size, sha256) and one hash of them all."""
     root = Path(name).expanduser()
     names = loadable(root)
     check_weights(name, root, names)
