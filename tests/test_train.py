@@ -276,6 +276,11 @@ def test_lora_trains_adapters_only_and_resumes_bit_exactly(prepared, baseline, t
     assert out.returncode == 0, out.stderr[-2000:]
     merged, adapter = map(float, out.stdout.split()[-2:])
     assert adapter == pytest.approx(merged, rel=1e-5)
+    dsflow("export", "--out", "models/exported", cwd=whole)  # from the last checkpoint
+    exported = _tensors(whole / "models/exported")
+    for name, tensor in tuned.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+    assert (whole / "models/exported/adapter/adapter_config.json").exists()
 
     proc = _lora_run(
         prepared,

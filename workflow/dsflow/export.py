@@ -62,6 +62,8 @@ def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> P
             f"{root}/run.json: unreadable ({e}); it is written by the train stage"
         ) from None
     model = params["model"]
+    if params["train"].get("finetune") == "lora":
+        return _export_lora(root, tag, out, dtype, params)
     if model["pretrained"]:  # the train stage's folder, else found again from "source"
         config = load_checkpoint_config(str(source.folder(model)))
     else:
@@ -79,6 +81,27 @@ def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> P
         for _, router in find_routers(net):  # the routing bias stays fp32 (see balance.py)
             router.e_score_correction_bias.data = router.e_score_correction_bias.data.float()
     save_hf(net, out, TOKENIZER)
+    return out
+
+
+def _export_lora(root: Path, tag: str, out: Path, dtype: str, params: dict) -> Path:
+    """A LoRA checkpoint holds the adapters (and the routers' biases) only: they go back on
+    the frozen base from model.pretrained, and `out` gets the merged model and the adapter
+    (as models/final does)."""
+    from dsflow.model import lora
+    from dsflow.model.build import build_model
+
+    base = str(source.folder(params["model"]))
+    net = build_model(load_checkpoint_config(base), device_type="cpu", pretrained=base)
+    adapted = lora.attach(net, params["train"]["lora"])
+    missing, unexpected = net.load_state_dict(consolidated_state_dict(root, tag), strict=False)
+    missing = [k for k in missing if "lora_" in k]
+    if missing or unexpected:
+        raise UsageError(
+            f"checkpoint {tag} does not match the LoRA model in {root}/run.json (missing "
+            f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        )
+    lora.save_final(adapted, base, out, TOKENIZER, dtype)
     return out
 
 
