@@ -232,3 +232,23 @@ def test_the_write_ups_case_lora_fits_3x24gb_and_a_full_finetune_needs_offload()
     assert not any(s["fits"] for s in full["strategies"] if s.get("preset") is None)
     smallest = full["smallest_machine"]
     assert "offload" in smallest["strategy"] and smallest["host_bytes"] > 250e9
+
+
+def test_the_lora_profile_is_the_recipe_the_planner_fits(monkeypatch):
+    """profiles/lora-rtx4090x3.yaml: valid, LoRA on DeepSeek-V2-Lite, and on 3 x 24 GB GPUs
+    (the name says 4090) with 128 GB of host RAM its own layout fits."""
+    from dsflow import machine
+    from dsflow import params as params_mod
+    from dsflow.plan import stage
+
+    root = Path(__file__).resolve().parent.parent
+    profile = root / "profiles/lora-rtx4090x3.yaml"
+    params = params_mod.load(root / "params.yaml", overlays=[str(profile)])
+    assert params["train"]["finetune"] == "lora" and params["train"]["zero_stage"] == 3
+    monkeypatch.setenv("DSFLOW_PROFILES", str(profile))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(machine, "gpus", lambda: [])
+    plan = stage.build_plan(params, host_mem_bytes=128 * 10**9, disk_free_bytes=500 * 10**9)
+    assert plan["request"]["gpu_mem_bytes"] < 26e9 and plan["request"]["world"] == 3
+    assert plan["verdict"]["fits"], plan["verdict"]
+    assert plan["estimate"]["gpu"]["total"] < 24e9
