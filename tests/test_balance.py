@@ -427,6 +427,16 @@ def test_v2_balancer_keeps_stats_and_has_no_bias_to_move_or_save():
     assert line.startswith("deepseek_v3: aux-loss-free routing bias, gamma 0.002")
 
 
+def test_zero3_gathers_either_familys_moe_blocks_whole():
+    """ZeRO-3's leaf modules: every DeepseekV3MoE and DeepseekV2Moe block is gathered at once."""
+    from dsflow.train.engine import _gather_moe_blocks_whole
+
+    for model, name in ((_tiny(vocab=256), "DeepseekV3MoE"), (_tiny_v2(), "DeepseekV2Moe")):
+        _gather_moe_blocks_whole(model)
+        blocks = [m for m in model.modules() if getattr(m, "_z3_leaf", False)]
+        assert [type(m).__name__ for m in blocks] == [name] * 3
+
+
 # --------------------------------------------------------------------------- training runs
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import tiny_v2
 from dsflow.data.shards import BatchLoader, ShardReader
 from dsflow.errors import UsageError
 from dsflow.model import fastpaths
@@ -21,9 +22,22 @@ from dsflow.model.presets import model_config
 VOCAB = 300
 
 
-def tiny(**overrides):
+FAMILIES = ["deepseek_v3", "deepseek_v2"]
+
+
+def tiny(family="deepseek_v3", **overrides):
+    """The tiny preset's shape in either family (DeepSeek-V2's router and balance loss)."""
     torch.manual_seed(0)
-    return build_model(model_config("tiny", VOCAB, overrides), device_type="cpu")
+    if family == "deepseek_v2":
+        config = model_config("deepseek-v2-lite", VOCAB, tiny_v2(**overrides))
+    else:
+        config = model_config("tiny", VOCAB, overrides)
+    return build_model(config, device_type="cpu")
+
+
+def family_balancer(model, **kwargs):
+    """The balancer with the family's aux loss on (V2's alpha as V3's, to compare alike)."""
+    return ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01, **kwargs)
 
 
 def batch(seed=1, size=2, seq=33):
@@ -92,9 +106,10 @@ def test_fp16_turns_the_fused_loss_off():
         fastpaths.resolve({**auto, "ce_chunk": 4096}, "cuda", precision="fp16")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("overrides", [{}, {"v_head_dim": 64}], ids=["v-narrower", "v-wider"])
-def test_padded_attention_gives_the_same_logits(overrides):
-    model = tiny(**overrides)
+def test_padded_attention_gives_the_same_logits(overrides, family):
+    model = tiny(family, **overrides)
     inputs, _ = batch()
     with torch.no_grad():
         reference = model(input_ids=inputs).logits
@@ -152,12 +167,13 @@ def test_experts_auto_keeps_hfs_where_sorted_does_not_apply():
     assert fastpaths.apply(tiny(moe_intermediate_size=16), perf).experts == "sorted"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sorted_experts_match_hf_grouped_mm(dtype):
+def test_sorted_experts_match_hf_grouped_mm(dtype, family):
     """The sorted experts (gather-only permutation backward) against HF's grouped_mm experts,
     eager, bf16 as on the GPU and fp32: the same loss, and gradients for every parameter (the
     routers' through the routing weights, the embeddings' through the dispatch)."""
-    hf = tiny(moe_intermediate_size=16).to(dtype)  # grouped_mm wants 16-byte strides
+    hf = tiny(family, moe_intermediate_size=16).to(dtype)  # grouped_mm wants 16-byte strides
     hf.set_experts_implementation("grouped_mm")
     ours = copy.deepcopy(hf)
     fastpaths.use_experts(ours, "sorted")
@@ -175,8 +191,9 @@ def test_sorted_experts_match_hf_grouped_mm(dtype):
         torch.testing.assert_close(q.grad.float(), p.grad.float(), **tol, msg=name)
 
 
-def test_training_module_is_the_hf_model_with_a_loss_forward():
-    model = tiny()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_module_is_the_hf_model_with_a_loss_forward(family):
+    model = tiny(family)
     inputs, targets = batch()
     plain, fused = TrainingLM(model), TrainingLM(model, ce_chunk=17)
     # DeepSpeed checkpoints and the HF export see the same names and the same tensors.
@@ -190,8 +207,17 @@ def test_training_module_is_the_hf_model_with_a_loss_forward():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_compiled_layers_train_like_eager_layers(dtype):
+@pytest.mark.parametrize(
+    "family,dtype",
+    [
+        ("deepseek_v3", torch.bfloat16),
+        ("deepseek_v3", torch.float32),
+        ("deepseek_v2", torch.bfloat16),
+        ("deepseek_v2", torch.float32),
+    ],
+    ids=["v3-bf16", "v3-fp32", "v2-bf16", "v2-fp32"],
+)
+def test_compiled_layers_train_like_eager_layers(family, dtype):
     """torch.compile of every decoder layer, the balancer's router hook traced into it and the
     sorted experts: same loss, gradients, expert counts and sequence-wise aux loss as eager
     with HF's experts. In bf16 (the GPU's default) one graph per layer, no graph break; in
@@ -200,7 +226,7 @@ def test_compiled_layers_train_like_eager_layers(dtype):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    eager = tiny(moe_intermediate_size=16).to(dtype)  # grouped_mm wants 16-byte strides
+    eager = tiny(family, moe_intermediate_size=16).to(dtype)  # grouped_mm: 16-byte strides
     eager.set_experts_implementation("grouped_mm")  # the reference on the GPU
     compiled = copy.deepcopy(eager)
     inputs, targets = batch()
@@ -216,7 +242,7 @@ def test_compiled_layers_train_like_eager_layers(dtype):
             ),
         ),
     ):
-        balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
+        balancer = family_balancer(model)
         fastpaths.apply(model, perf, balancer)
         trainee = TrainingLM(model, ce_chunk=perf.ce_chunk)
         for _ in range(2):  # the second call runs the cached graphs
@@ -277,16 +303,17 @@ def test_batch_loader_reads_what_the_reader_reads(prepared, depth):
         loader.close()
 
 
-def test_activation_checkpointing_recomputes_the_same_gradients():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_activation_checkpointing_recomputes_the_same_gradients(family):
     """Recomputed layers give the same loss and gradients, and the balancer does not count the
     recomputation's routing twice."""
-    plain = tiny()
+    plain = tiny(family)
     checkpointed = copy.deepcopy(plain)
     inputs, targets = batch()
     results = []
     for model, on in ((plain, False), (checkpointed, True)):
         model.train()
-        balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
+        balancer = family_balancer(model)
         fastpaths.apply(model, fastpaths.Perf(False, "sdpa", 0, False, activation_checkpointing=on))
         loss = TrainingLM(model)(inputs, targets) + balancer.aux_loss()
         loss.backward()

@@ -45,6 +45,11 @@
 `resolve` turns the `auto` values into what is on by default: the fast paths on CUDA, off on
 CPU, where torch.compile's C++ build time dwarfs the short runs and flash attention does not
 exist.
+
+Both families take every fast path: DeepseekV2ForCausalLM has DeepseekV3ForCausalLM's experts
+layout, attention interface, router outputs (logits, weights, indices) and decoder layers.
+V2's rotary embedding multiplies complex numbers, which torch.compile keeps in the layer's graph
+as eager kernels (inductor generates no code for complex operators).
 """
 
 from __future__ import annotations
@@ -336,11 +341,11 @@ def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
 def sorted_experts_forward(
     self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """HF experts interface (DeepseekV3Experts): the routed experts' output per token. Inside
-    a compiled layer only in bf16: traced by torch 2.11's dynamo on an H200 (any backend,
-    even "eager"), the fp32 experts got zero weight gradients and passed none back to the
-    router or the layers below, while the forward was exact; so other dtypes run them eagerly
-    between the layer's graphs (then exact, as in bf16 compiled)."""
+    """HF experts interface (DeepseekV3Experts, DeepseekV2Experts): the routed experts' output
+    per token. Inside a compiled layer only in bf16: traced by torch 2.11's dynamo on an H200
+    (any backend, even "eager"), the fp32 experts got zero weight gradients and passed none
+    back to the router or the layers below, while the forward was exact; so other dtypes run
+    them eagerly between the layer's graphs (then exact, as in bf16 compiled)."""
     if self.gate_up_proj.dtype != torch.bfloat16:
         return _sorted_experts_eager(self, hidden_states, top_k_index, top_k_weights)
     return _sorted_experts(self, hidden_states, top_k_index, top_k_weights)
@@ -388,7 +393,7 @@ def use_experts(model: Any, experts: str, fallback: bool = False) -> str:
 def _sorted_experts_refusal(model: Any) -> str | None:
     """Why the sorted experts cannot run this model here (the rest of a one-line message), or
     None: they need torch's grouped GEMM (CPU, or a GPU of compute capability 8.0+) and
-    DeepseekV3Experts' weight layout."""
+    DeepseekV3Experts' weight layout (DeepseekV2Experts' is the same)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
         return "needs torch's grouped GEMM (a GPU of compute capability 8.0 or newer)"
     # Other HF experts may carry biases, transposed weights, a post-expert norm or

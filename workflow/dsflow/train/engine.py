@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from dsflow.data.shards import ShardReader
-from dsflow.model import fastpaths
+from dsflow.model import balance, fastpaths
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.build import build_model
 from dsflow.model.loss import TrainingLM, evaluate_loss
@@ -85,12 +85,11 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
     torch.manual_seed(spec.seed)
     model = _model(spec, device.type)
     adapter = _adapter(model, spec, rank)
-    balancer = ExpertBalancer(
-        model, gamma=spec.balance["gamma"], seq_aux_alpha=spec.balance["seq_aux_alpha"]
-    )
+    balancer, balancing = balance.from_params(model, spec.balance)
     perf = fastpaths.apply(model, fastpaths.Perf(**spec.perf), balancer, device)
     if rank == 0:
         print(f"[dsflow train] fast paths: {perf.describe()}", file=sys.stderr)
+        print(f"[dsflow train] balancing: {balancing}", file=sys.stderr)
     if spec.zero3 and balancer.routers:
         _gather_moe_blocks_whole(model)
     trainee = _universal(TrainingLM(model, ce_chunk=perf.ce_chunk))
@@ -136,9 +135,8 @@ def _gather_moe_blocks_whole(model: Any) -> None:
     different parameters (DeepSpeed: "Detected a disagreement on list length between rank0 and
     rank1", or a hang). As a leaf, the whole MoE block is gathered at once."""
     from deepspeed.utils import set_z3_leaf_modules
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    set_z3_leaf_modules(model, [DeepseekV3MoE])
+    set_z3_leaf_modules(model, list(balance.moe_block_classes()))
 
 
 def _universal(trainee: TrainingLM) -> TrainingLM:
