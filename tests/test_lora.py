@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import tiny_v2
 from dsflow.errors import UsageError
 from dsflow.model import lora
 from dsflow.model.balance import ExpertBalancer
@@ -17,9 +18,15 @@ VOCAB = 97
 ALL = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": list(lora.GROUPS)}
 
 
-def _base(seed: int = 0, **overrides):
+def _config(family: str = "deepseek_v3", **overrides):
+    if family == "deepseek_v2":
+        return model_config("deepseek-v2-lite", VOCAB, tiny_v2(**overrides))
+    return model_config("tiny", VOCAB, overrides)
+
+
+def _base(seed: int = 0, family: str = "deepseek_v3", **overrides):
     torch.manual_seed(seed)
-    return build_model(model_config("tiny", VOCAB, overrides), device_type="cpu")
+    return build_model(_config(family, **overrides), device_type="cpu")
 
 
 def _batch(seed: int = 1):
@@ -51,8 +58,9 @@ def _base_names(peft_model):
     return out
 
 
-def test_every_group_reaches_its_weights_and_only_adapters_train():
-    model = _base()
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_every_group_reaches_its_weights_and_only_adapters_train(family):
+    model = _base(family=family)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     peft_model = lora.attach(model, ALL)
     adapted = {n.split(".lora_")[0] for n, p in peft_model.named_parameters() if p.requires_grad}
@@ -129,8 +137,9 @@ def test_attention_only_takes_dropout():
     "targets", [["attention"], ["dense_mlp", "shared_experts"], list(lora.GROUPS)]
 )
 @pytest.mark.parametrize("q_lora_rank", [None, 48])
-def test_planner_counts_equal_the_adapters_peft_creates(targets, q_lora_rank):
-    config = model_config("tiny", VOCAB, {"q_lora_rank": q_lora_rank})
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_planner_counts_equal_the_adapters_peft_creates(targets, q_lora_rank, family):
+    config = _config(family, q_lora_rank=q_lora_rank)
     setting = {**ALL, "targets": targets}
     peft_model = lora.attach(build_model(config, device_type="cpu"), setting)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
