@@ -329,3 +329,63 @@ def test_lora_under_zero3_resumes_on_fewer_ranks(prepared, baseline, tmp_path):
     base, tuned = _tensors(baseline / "models/final"), _tensors(repo / "models/final")
     name = "model.layers.0.self_attn.o_proj.weight"
     assert not torch.equal(base[name], tuned[name])
+
+
+def _val_loss(model, repo) -> float:
+    """The train stage's validation (2 batches of 2 windows on each of 3 ranks)."""
+    import torch
+
+    from dsflow.data.shards import ShardReader
+    from dsflow.model.loss import evaluate_loss
+
+    reader = ShardReader(repo / "data/shards/val", 64, seed=1234)
+    total, count = evaluate_loss(model, reader, micro=2, device=torch.device("cpu"), max_windows=12)
+    return total / count
+
+
+def test_a_deepseek_v2_checkpoint_continues_resumes_bit_exactly_and_exports(prepared, tmp_path):
+    """A tiny DeepSeek-V2 checkpoint (softmax routing, its balance loss from its config)
+    trained on 3 ranks: val loss falls; a run resumed from its step-4 checkpoint logs the same
+    losses bit for bit; models/final reloads in plain transformers as DeepseekV2ForCausalLM
+    and gives the run's val loss."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import tiny_v2
+    from dsflow.model.build import build_model
+    from dsflow.model.presets import model_config
+
+    vocab = json.loads((prepared / "data/shards/train/index.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    start = build_model(model_config("deepseek-v2-lite", vocab, tiny_v2()), device_type="cpu")
+    start.save_pretrained(tmp_path / "v2")
+    AutoTokenizer.from_pretrained(prepared / "data/tokenizer").save_pretrained(tmp_path / "v2")
+    overlay = {
+        "model": {"pretrained": str(tmp_path / "v2")},
+        "train": {"max_steps": 8, "eval_every": 4, "checkpoint_every": 4},
+    }
+    full = tmp_path / "full"
+    proc = trained_copy(prepared, full, overlay)
+    assert "balancing: deepseek_v2: DeepSeek-V2's sequence-wise balance loss, alpha 0.001" in (
+        proc.stderr
+    )
+    metrics = json.loads((full / "metrics/train.json").read_text())
+    assert metrics["val_loss"] < _val_loss(start.eval(), full) - 0.3
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints/step00000008")
+    shutil.rmtree(resumed / "models/final")
+    (resumed / "checkpoints/latest").write_text("step00000004\n")
+    (resumed / "metrics/train.json").unlink()  # both must come from the resumed run
+    tsv = resumed / "dvclive/plots/metrics/train/loss.tsv"
+    tsv.write_text("".join(tsv.read_text().splitlines(keepends=True)[:5]))  # header, steps 1-4
+    assert "resumed from step 4" in trained_copy(prepared, resumed, overlay).stderr
+    assert losses(resumed) == losses(full) and sorted(losses(full)) == list(range(1, 9))
+    again = json.loads((resumed / "metrics/train.json").read_text())
+    assert again["val_loss"] == metrics["val_loss"]
+
+    exported = AutoModelForCausalLM.from_pretrained(full / "models/final")
+    assert type(exported).__name__ == "DeepseekV2ForCausalLM"
+    assert exported.config.aux_loss_alpha == 0.001 and exported.config.seq_aux is True
+    assert _val_loss(exported, full) == pytest.approx(metrics["val_loss"], rel=1e-5)
