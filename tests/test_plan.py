@@ -703,3 +703,21 @@ def test_host_ram_is_one_nodes_ranks(monkeypatch, tmp_path):
     assert single["host"]["node_total"] == single["host"]["per_rank"] * 8
     # Each rank holds half the optimizer partition it holds on one node.
     assert double["gpu"]["optimizer"] < single["gpu"]["optimizer"]
+
+
+def test_a_pretrained_deepseek_v2_folder_is_planned_from_its_own_config(monkeypatch, tmp_path):
+    """model.pretrained: a folder holding DeepSeek-V2-Lite's config (the planner reads no
+    weights) is planned as that model, 15.7B / 2.4B at its 102,400 vocabulary, whatever
+    model.preset says; its FLOPs are the published shape's."""
+    monkeypatch.chdir(tmp_path)
+    lite = model_config("deepseek-v2-lite", 102400)
+    lite.save_pretrained(tmp_path / "lite")
+    params = _params()
+    params["model"]["pretrained"] = str(tmp_path / "lite")
+    plan = stage.build_plan(params, _args("--gpus", "3", "--gpu-mem", "80"))
+    req, summ = plan["request"], plan["summary"]
+    assert req["vocab_size"] == 102400 and "model.pretrained" in req["vocab_source"]
+    assert summ["params_total"] == param_counts(lite)["total"]
+    assert summ["params_total"] == pytest.approx(15.7e9, rel=0.02)
+    assert summ["params_activated"] == pytest.approx(2.4e9, rel=0.025)
+    assert summ["flops_per_token"] == flops_per_token(lite, req["seq_len"])
