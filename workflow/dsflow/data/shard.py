@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dsflow.atomic import atomic_dir, sha256_file, write_json
@@ -69,12 +70,14 @@ def shard_split(src: Path, dst: Path, shard_tokens: int, vocab_size: int) -> dic
     max_id = -1
     with bar(desc=f"shard {src.stem}", total=parquet.metadata.num_rows, unit="doc") as progress:
         for batch in parquet.iter_batches(batch_size=READ_ROWS, columns=["input_ids", "n_bytes"]):
-            ids = batch.column(0).flatten().to_numpy(zero_copy_only=False)
+            # Straight from the Arrow buffer: Array.to_numpy would import pandas.
+            flat = batch.column(0).flatten()
+            ids = np.frombuffer(flat.buffers()[1] or b"", np.uint32)[flat.offset :][: len(flat)]
             if len(ids):
                 max_id = max(max_id, int(ids.max()))
             writer.add(ids.astype(dtype, copy=False))
             docs += batch.num_rows
-            n_bytes += int(batch.column(1).to_numpy().sum())
+            n_bytes += pc.sum(batch.column(1)).as_py() or 0
             progress.update(batch.num_rows)
     if max_id >= vocab_size:
         raise UsageError(
