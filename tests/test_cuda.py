@@ -104,10 +104,13 @@ ON_MODEL = ("attention", "ce_chunk", "experts", "compile", "compile_router_hooks
 MODEL_PATHS = {name: ALONE[name] for name in ON_MODEL} | {"all": ALL_BUT_GRAPHS}
 
 
-def fast_path_gradients(device: str, path: dict, dtype: str = "float32"):
+def fast_path_gradients(
+    device: str, path: dict, dtype: str = "float32", family: str = "deepseek_v3"
+):
     """One forward and backward of the tiny preset in `dtype` (a batch like the train tests':
-    4 x 64 tokens), the sequence-wise aux loss included: (loss, aux, {name: fp32 gradient}).
-    `path`: fastpaths.Perf's fields over PLAIN's ({} for the plain path)."""
+    4 x 64 tokens), the family's balance loss included: (loss, aux, {name: fp32 gradient}).
+    `path`: fastpaths.Perf's fields over PLAIN's ({} for the plain path); `family`: the tiny
+    shape as a DeepSeek-V3 or a DeepSeek-V2 model."""
     import torch
     import torch._dynamo
 
@@ -119,7 +122,11 @@ def fast_path_gradients(device: str, path: dict, dtype: str = "float32"):
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = build_model(model_config("tiny", 384), device_type=device).to(device).train()
+    if family == "deepseek_v2":
+        config = model_config("deepseek-v2-lite", 384, conftest.tiny_v2())
+    else:
+        config = model_config("tiny", 384)
+    model = build_model(config, device_type=device).to(device).train()
     for p in model.parameters():  # as DeepSpeed casts: parameters, not buffers
         p.data = p.data.to(getattr(torch, dtype))
     g = torch.Generator().manual_seed(1)
@@ -151,20 +158,29 @@ def gradient_gaps(a: dict, b: dict) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def plain_gradients():
-    return fast_path_gradients("cuda", {})
+    """The plain path's, per family, computed once."""
+    cache = {}
+
+    def of(family):
+        if family not in cache:
+            cache[family] = fast_path_gradients("cuda", {}, family=family)
+        return cache[family]
+
+    return of
 
 
 @pytest.mark.cuda
 @requires_cuda
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
 @pytest.mark.parametrize("path", MODEL_PATHS)
-def test_cuda_each_fast_path_gives_the_plain_paths_gradients(plain_gradients, path):
+def test_cuda_each_fast_path_gives_the_plain_paths_gradients(plain_gradients, path, family):
     """fp32 on the GPU, one forward and backward: each fast path's loss and aux loss are the
     plain path's, and so is every parameter's gradient, to fp32 rounding (1e-4 of the
     tensor's norm). The losses of a training run cannot show this: Adam's first steps
     normalize each gradient element, so a wrong gradient scale hides for a few steps (a step-1
     gradient norm 1.8% off can come with a loss 8e-8 off)."""
-    loss0, aux0, plain = plain_gradients
-    loss, aux, fast = fast_path_gradients("cuda", MODEL_PATHS[path])
+    loss0, aux0, plain = plain_gradients(family)
+    loss, aux, fast = fast_path_gradients("cuda", MODEL_PATHS[path], family=family)
     assert loss == pytest.approx(loss0, rel=1e-5)
     assert aux == pytest.approx(aux0, rel=1e-5)
     gaps = gradient_gaps(plain, fast)
@@ -174,13 +190,14 @@ def test_cuda_each_fast_path_gives_the_plain_paths_gradients(plain_gradients, pa
 
 @pytest.mark.cuda
 @requires_cuda
-def test_cuda_default_fast_paths_keep_every_gradient_in_bf16():
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_cuda_default_fast_paths_keep_every_gradient_in_bf16(family):
     """bf16, the GPU's default, one forward and backward with every fast path but CUDA graphs
     against the plain path: each parameter's gradient within bf16's rounding, which also moves
     a few tokens to other experts (a gap of about 0.16 of the worst tensor's norm; a lost
     gradient is a gap of 1)."""
-    loss0, aux0, plain = fast_path_gradients("cuda", {}, "bfloat16")
-    loss, aux, fast = fast_path_gradients("cuda", ALL_BUT_GRAPHS, "bfloat16")
+    loss0, aux0, plain = fast_path_gradients("cuda", {}, "bfloat16", family)
+    loss, aux, fast = fast_path_gradients("cuda", ALL_BUT_GRAPHS, "bfloat16", family)
     assert loss == pytest.approx(loss0, rel=1e-2)
     assert aux == pytest.approx(aux0, rel=5e-2)
     gaps = gradient_gaps(plain, fast)
