@@ -420,6 +420,10 @@ def test_v2_balancer_keeps_stats_and_has_no_bias_to_move_or_save():
     bal.sync_bias()
     with pytest.raises(ValueError, match="1 router biases for 0 routers"):
         bal.load_bias_state([torch.zeros(8)])
+    model.eval()
+    with torch.no_grad(), bal.collecting():  # the evaluate stage's statistics
+        model(torch.randint(0, 256, (1, 16)))
+    assert [s["tokens"] for s in bal.eval_stats()["layers"].values()] == [16 * 2] * 3
     _, line = from_params(_tiny_v2(seq_aux=False), {"gamma": 0.0, "seq_aux_alpha": 0.0})
     assert "batch-wise balance loss, alpha 0.001 (the model config's aux_loss_alpha)" in line
     v3, line = from_params(_tiny(vocab=256), {"gamma": 0.002, "seq_aux_alpha": 0.0003})
