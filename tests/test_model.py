@@ -308,7 +308,7 @@ def test_v2_presets_build_deepseek_v2_with_its_router():
     assert model.config._experts_implementation == "eager"
 
 
-def test_v2_overrides_are_checked_against_the_v2_config():
+def test_v2_overrides_are_checked_against_the_v2_config(tmp_path):
     with pytest.raises(UsageError) as err:  # a DeepseekV3Config field, not a V2 one
         model_config("deepseek-v2-lite", VOCAB, {"num_mtp_layers": 0})
     assert "DeepseekV2Config" in str(err.value) and "topk_method" in str(err.value)
@@ -329,6 +329,14 @@ def test_v2_overrides_are_checked_against_the_v2_config():
     _tiny_v2_config(n_group=3)
     _tiny_v2_config(topk_method="group_limited_greedy", n_group=8, topk_group=2)
     assert _tiny_v2_config(aux_loss_alpha=0.01, seq_aux=False).seq_aux is False
+    # A checkpoint's config.json HF would route otherwise than it says is refused alike.
+    from dsflow.model.build import load_checkpoint_config
+
+    bad = _tiny_v2_config()
+    bad.norm_topk_prob, bad.scoring_func = True, "sigmoid"
+    bad.save_pretrained(tmp_path / "bad")
+    with pytest.raises(UsageError, match=r"^model.pretrained .*scoring_func 'sigmoid'.*norm_topk"):
+        load_checkpoint_config(str(tmp_path / "bad"))
 
 
 def _v2_checkpoint(path, vocab=VOCAB, shard=None):
