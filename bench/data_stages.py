@@ -93,15 +93,21 @@ def plain_read(folder: Path) -> tuple[float, float]:
 
 
 def plain_read_compress(folder: Path) -> tuple[float, float]:
-    """(seconds, CPU seconds) to read and decode every file and zstd-compress each block, as
-    the download's Parquet writer does (level 1, Arrow's default)."""
+    """(seconds, CPU seconds) to read and decode every file and zstd-compress what was read in
+    8 MB pieces, as the download's Parquet writer compresses (level 1, Arrow's default)."""
     codec = pa.Codec("zstd", 1)
     t0, c0 = time.perf_counter(), time.process_time()
+    held, size = [], 0
     for path in sorted(folder.iterdir()):
         with open(path, "rb") as f:
             while block := f.read(8 << 20):
                 block.decode("utf-8")
-                codec.compress(block, asbytes=False)
+                held.append(block)
+                size += len(block)
+                if size >= 8 << 20:
+                    codec.compress(b"".join(held), asbytes=False)
+                    held, size = [], 0
+    codec.compress(b"".join(held), asbytes=False)
     return time.perf_counter() - t0, time.process_time() - c0
 
 

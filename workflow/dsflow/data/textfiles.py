@@ -195,14 +195,18 @@ def documents(path: str, data: bytes, spans, base: int, split_by: str) -> list[b
     return docs
 
 
-def txt_batches(path: str, size: int, split_by: str, chunk_bytes: int, progress):
+def txt_batches(
+    path: str, size: int, split_by: str, chunk_bytes: int, progress
+) -> Iterator[list[bytes]]:
     """The documents of one .txt file, a block at a time. Each block is searched once: the
     unfinished rest carried to the next block is at most MAX_DOC_BYTES, and its search resumes
     where it stopped, so time is linear in the file and memory bounded by BLOCK + MAX_DOC_BYTES."""
     if split_by == "file" and size > MAX_DOC_BYTES:
         raise too_long(path, split_by, f"({size} bytes, download.files.split_by: file)")
     with open(path, "rb") as f:
-        data = f.read(size if split_by == "file" else BLOCK)
+        # Never more than the file holds: a small file's bytes become its document, and a read
+        # of BLOCK would carve each from an 8 MB allocation, scattering the heap.
+        data = f.read(size if split_by == "file" else min(size, BLOCK))
         check_text_start(path, data)
         base, scan = 0, 0  # the file offset of data[0]; where the separator search resumes
         while True:
