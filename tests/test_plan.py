@@ -721,3 +721,18 @@ def test_a_pretrained_deepseek_v2_folder_is_planned_from_its_own_config(monkeypa
     assert summ["params_total"] == pytest.approx(15.7e9, rel=0.02)
     assert summ["params_activated"] == pytest.approx(2.4e9, rel=0.025)
     assert summ["flops_per_token"] == flops_per_token(lite, req["seq_len"])
+
+
+@pytest.mark.parametrize(
+    "preset, balance, counted",
+    [
+        ("tiny", {"seq_aux_alpha": 0.0001}, True),
+        ("tiny", {"seq_aux_alpha": 0.0}, False),
+        ("deepseek-v2-lite", {"aux_loss_alpha": "auto"}, True),  # the config's 0.001
+        ("deepseek-v2-lite", {"aux_loss_alpha": 0.0}, False),
+        ("deepseek-v2-lite", {"seq_aux_alpha": 0.0, "aux_loss_alpha": "auto"}, True),
+    ],
+)
+def test_the_plan_counts_each_familys_balance_loss(preset, balance, counted):
+    """The balance loss's scores live until backward: V3's seq_aux_alpha, V2's aux_loss_alpha."""
+    assert request._balance_loss(balance, model_config(preset, 1000)) is counted

@@ -389,3 +389,7 @@ def test_a_deepseek_v2_checkpoint_continues_resumes_bit_exactly_and_exports(prep
     assert type(exported).__name__ == "DeepseekV2ForCausalLM"
     assert exported.config.aux_loss_alpha == 0.001 and exported.config.seq_aux is True
     assert _val_loss(exported, full) == pytest.approx(metrics["val_loss"], rel=1e-5)
+    dsflow("export", "--dtype", "bf16", "--out", "models/bf16", cwd=full)  # no routing bias
+    assert type(AutoModelForCausalLM.from_pretrained(full / "models/bf16")).__name__ == (
+        "DeepseekV2ForCausalLM"
+    )

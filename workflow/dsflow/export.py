@@ -78,8 +78,10 @@ def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> P
         )
     if dtype == "bf16":
         net.to(torch.bfloat16)
-        for _, router in find_routers(net):  # the routing bias stays fp32 (see balance.py)
-            router.e_score_correction_bias.data = router.e_score_correction_bias.data.float()
+        for _, router in find_routers(net):  # V3's routing bias stays fp32 (see balance.py)
+            bias = getattr(router, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.data = bias.data.float()
     save_hf(net, out, TOKENIZER)
     return out
 

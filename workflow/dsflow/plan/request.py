@@ -351,6 +351,18 @@ def _resources(
     }
 
 
+def _balance_loss(balance: dict, config: Any) -> bool:
+    """Whether the balancer's aux loss runs (its scores stay alive until backward): V3's
+    train.balance.seq_aux_alpha; V2's aux_loss_alpha, auto = the model config's (unset: on, as
+    DeepSeek-V2 trained, dsflow.model.balance)."""
+    if getattr(config, "model_type", None) != "deepseek_v2":
+        return float(balance.get("seq_aux_alpha", 0.0)) > 0
+    alpha = balance.get("aux_loss_alpha", "auto")
+    if alpha == "auto":
+        alpha = getattr(config, "aux_loss_alpha", None)
+    return alpha is None or float(alpha) > 0
+
+
 def _lora(train: dict, args: Any, config: Any, notes: list[str]) -> dict[str, int]:
     """The memory setup's LoRA sizes (``--finetune`` / train.finetune with train.lora)."""
     if (_arg(args, "finetune") or train.get("finetune", "full")) != "lora":
@@ -446,7 +458,7 @@ def resolve(
         overlap_comm=dsconfig.gradient_hooks(
             {"overlap_comm": "auto", "contiguous_gradients": "auto", **zcfg}, zero, world, "cuda"
         )[0],
-        seq_aux=float(train.get("balance", {}).get("seq_aux_alpha", 0.0)) > 0,
+        seq_aux=_balance_loss(train.get("balance", {}), config),
         fused_optimizer=fused_optimizer_wanted(train, world),
         offload_device=offload_device,
         # --gpus plans one machine; params plan train.nodes machines of train.gpus ranks each.
