@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import dsflow, update_params
-from dsflow.data import grammar, textfiles
+from dsflow.data import download, grammar, textfiles
 from dsflow.data.download import val_split
 from dsflow.data.textfiles import FileSource
 from dsflow.errors import UsageError
@@ -305,6 +305,37 @@ def test_documents_longer_than_the_limit_name_the_file_and_where(tmp_path, monke
     ):
         file_docs([rec], "auto")
     assert len(file_docs([rec], "chunk", chunk_bytes=500)) == 4
+
+
+def test_row_groups_do_not_depend_on_how_documents_arrive(tmp_path, monkeypatch):
+    """A row group ends after the document that brings it to ROW_GROUP_DOCS documents or
+    ROW_GROUP_BYTES, whether documents come one at a time or in batches of any size."""
+    monkeypatch.setattr(download, "ROW_GROUP_DOCS", 7)
+    monkeypatch.setattr(download, "ROW_GROUP_BYTES", 100)
+    rng = random.Random(1)
+    docs = [bytes([97 + i % 26]) * rng.randint(1, 40) for i in range(300)]
+    files = []
+    for sizes in ([1] * len(docs), [len(docs)], [rng.randint(1, 30) for _ in range(60)]):
+        out = tmp_path / f"out{len(files)}"
+        out.mkdir()
+        writer = download.SplitWriter(out, pa.schema([("text", pa.string())]))
+        start = 0
+        for n in sizes:
+            writer.add("train", docs[start : start + n])
+            start += n
+        writer.add("train", docs[start:])
+        writer.close()
+        files.append((out / "train.parquet").read_bytes())
+    assert files[0] == files[1] == files[2]
+    meta = pq.ParquetFile(tmp_path / "out0/train.parquet").metadata
+    expect, rows, held = [], 0, 0
+    for d in docs:
+        rows, held = rows + 1, held + len(d)
+        if rows == 7 or held >= 100:
+            expect.append(rows)
+            rows, held = 0, 0
+    expect += [rows] if rows else []
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == expect
 
 
 def test_one_big_txt_file_works_with_the_defaults(project, tmp_path):
