@@ -120,6 +120,14 @@ def test_published_shapes_match_papers(preset, total, activated, tol_activated):
     assert abs(counts["activated"] / activated - 1) < tol_activated, counts
 
 
+def test_moonlight_is_the_v3_architecture_at_16b():
+    """Moonlight-16B-A3B: DeepSeek-V3's router (sigmoid scores with the correction bias) at
+    16B parameters with its 163,840-token vocabulary."""
+    config = model_config("moonlight-16b-a3b", PRESETS["moonlight-16b-a3b"]["published_vocab_size"])
+    assert config.model_type == "deepseek_v3" and config.routed_scaling_factor == 2.446
+    assert abs(param_counts(config)["total"] / 16e9 - 1) < 0.02
+
+
 def test_unknown_preset_lists_names():
     with pytest.raises(UsageError) as err:
         model_config("huge", VOCAB)
