@@ -27,10 +27,16 @@ bf16, the same data, seed, batch and sequence length) twice:
   zero-padded V; the chunked lm_head + cross-entropy), which measure bf16 noise: how far curves
   that differ from the baseline's only by rounding drift from it and from each other.
 
+Configs: `dense` and `moe` (the medium preset), `v2lite4` and `moonlight4` (DeepSeek-V2-Lite's
+and Moonlight-16B-A3B's published widths, 4 layers: the two families at real widths). The
+variants `lora` and `full-ft` continue the config's random init saved as a checkpoint
+(train.finetune lora or full, every other setting at its default).
+
 It prints tokens/s, MFU (useful FLOPs only: activated params + attention, no recompute) against
 the GPU's datasheet dense bf16 peak (dsflow.model.flops, as the train stage reports it) and,
 beside it, against the measured matmul peak ("of achievable"), step time, peak memory,
-data-wait share and the ratio dsflow/baseline, and checks that the first 50 losses of the two
+data-wait share, the planner's predicted reserved peak against torch.cuda.max_memory_reserved
+(the train stage's metrics/train.json holds both), and the ratio dsflow/baseline, and checks that the first 50 losses of the two
 agree within bf16 noise: dsflow's difference from the baseline may be at most twice the largest
 difference between two of the reference runs (baseline and noise runs; plus a small floor).
 Needs data/shards and data/tokenizer (the data stages) in the working directory; writes $OUT
@@ -40,6 +46,7 @@ Needs data/shards and data/tokenizer (the data stages) in the working directory;
     python bench/train_throughput.py --configs dense --variants dsflow,no-compile --profile dsflow
     python bench/train_throughput.py --configs dense,moe --variants dsflow,zero2,cudagraphs
     python bench/train_throughput.py --configs moe --variants baseline,zero2+sorted-experts
+    python bench/train_throughput.py --configs v2lite4,moonlight4 --variants dsflow,lora,full-ft
 
 Variants stack with +: `a+b` is b's overlay on a's.
 """
@@ -72,7 +79,14 @@ CONFIGS = {
     # The `medium` preset (the 3 x 24 GB one), all dense and as published (MoE).
     "dense": {"preset": "medium", "overrides": {"first_k_dense_replace": 16}},
     "moe": {"preset": "medium", "overrides": {}},
+    # Published widths cut to 4 layers: DeepSeek-V2-Lite (the V2 family: softmax routing and
+    # its balance loss) and Moonlight-16B-A3B (the V3 family at the same widths).
+    "v2lite4": {"preset": "deepseek-v2-lite", "overrides": {"num_hidden_layers": 4}},
+    "moonlight4": {"preset": "moonlight-16b-a3b", "overrides": {"num_hidden_layers": 4}},
 }
+# Variants that continue a checkpoint: the bench saves the config's random init once as one
+# (bf16 safetensors) and sets model.pretrained to it.
+FROM_CHECKPOINT = {"lora": {"finetune": "lora"}, "full-ft": {"finetune": "full"}}
 # Variants: overlays on the train section. baseline = every fast path off.
 VARIANTS = {
     "baseline": {
@@ -114,6 +128,7 @@ VARIANTS = {
     "sync-metrics": {"perf": {"async_metrics": False}},
     "no-overlap": {"zero": {"overlap_comm": False}},
     "cudagraphs": {"perf": {"compile_mode": "reduce-overhead"}},
+    **FROM_CHECKPOINT,
 }
 # The noise references: the baseline with one exact change of kernel each (MLA's V zero-padded
 # so SDPA takes its flash kernel; the lm_head + cross-entropy in chunks: the same math, tested on
@@ -206,6 +221,8 @@ def run_stage(name: str, config: dict, variant: dict, steps: int, out: Path, pro
     }
     train.update(variant)
     work = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    if variant.get("finetune"):
+        config = {**config, "pretrained": str(checkpoint_of(config, out))}
     overlay = work / "overlay.yaml"
     overlay.write_text(yaml.safe_dump({"model": config, "train": train}))
     env = dict(os.environ)
@@ -245,10 +262,43 @@ def run_stage(name: str, config: dict, variant: dict, steps: int, out: Path, pro
             if s > warm
         ),
         "peak_gb": metrics["peak_memory_gb_per_rank"][0],
+        "reserved_gb": metrics["peak_reserved_gb_per_rank"][0],
+        "planned_gb": metrics.get("planned_reserved_gb"),
         "params_total": metrics["params_total"],
         "params_activated": metrics["params_activated"],
         "wall_s": wall,
     }
+
+
+def checkpoint_of(config: dict, out: Path) -> Path:
+    """The config's random init (seed 0) saved as a bf16 HF checkpoint with the data's
+    tokenizer, once per bench run: what the fine-tuning variants continue from."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from dsflow.model.build import build_model
+
+    folder = out / "checkpoints" / f"{config['preset']}-{len(config['overrides'])}"
+    if not (folder / "config.json").exists():
+        torch.manual_seed(0)
+        net = build_model(
+            model_config(config["preset"], vocab_size(), config["overrides"]),
+            device_type="cpu",
+            dtype="bf16",
+        )
+        net.save_pretrained(folder)
+        AutoTokenizer.from_pretrained("data/tokenizer").save_pretrained(folder)
+    return folder.resolve()
+
+
+def planned_vs_measured(r: dict) -> str:
+    """The planner's reserved peak against the measured one (torch.cuda.max_memory_reserved)."""
+    if not r.get("planned_gb"):
+        return "planned n/a"
+    return (
+        f"planned {r['planned_gb']:.1f} GB vs reserved {r['reserved_gb']:.1f} GB "
+        f"({100 * (r['planned_gb'] / r['reserved_gb'] - 1):+.0f}%)"
+    )
 
 
 def flops_per_token(config: dict) -> float:
@@ -345,7 +395,8 @@ def run_config(
             f"  {name}: {r['tokens_per_s']:,.0f} tok/s, MFU {percent(r['mfu'])} "
             f"({percent(r['mfu_of_achievable'])} of achievable), "
             f"step {1e3 * r['step_s']:.1f} ms, peak {r['peak_gb']:.1f} GB, "
-            f"data wait {100 * r['data_wait']:.2f}%, wall {r['wall_s']:.0f} s",
+            f"data wait {100 * r['data_wait']:.2f}%, wall {r['wall_s']:.0f} s, "
+            f"{planned_vs_measured(r)}",
             flush=True,
         )
         # Every finished run on disk at once: a bench stopped by a time limit keeps them.
@@ -377,6 +428,11 @@ def judge_config(cname: str, runs: dict, results: dict, rows: list) -> None:
     }  # fmt: skip
 
 
+def plan_ratio(r: dict) -> str:
+    """The planned reserved peak over the measured one (1.00 = exact)."""
+    return f"{r['planned_gb'] / r['reserved_gb']:.2f}" if r.get("planned_gb") else "n/a"
+
+
 def percent(share: float | None) -> str:
     return "n/a" if share is None else f"{100 * share:.1f}%"
 
@@ -389,7 +445,8 @@ def print_table(rows: list, peaks: tuple, datasheet: str) -> None:
     )
     header = (
         f"{'config':<7} {'run':<12} {'params tot/act':>16} {'tok/s':>9} {'MFU':>6} {'of achv':>7} "
-        f"{'step ms':>8} {'peak GB':>8} {'data wait':>9} {'x base':>7} {'loss d mean/max':>17}"
+        f"{'step ms':>8} {'peak GB':>8} {'plan/rsv':>8} {'data wait':>9} {'x base':>7} "
+        f"{'loss d mean/max':>17}"
     )
     print(header)
     print("-" * len(header))
@@ -402,12 +459,13 @@ def print_table(rows: list, peaks: tuple, datasheet: str) -> None:
         print(
             f"{cname:<7} {vname:<12} {params:>16} {r['tokens_per_s']:>9,.0f} "
             f"{percent(r['mfu']):>6} {percent(r['mfu_of_achievable']):>7} "
-            f"{1e3 * r['step_s']:>8.1f} {r['peak_gb']:>8.1f} "
+            f"{1e3 * r['step_s']:>8.1f} {r['peak_gb']:>8.1f} {plan_ratio(r):>8} "
             f"{100 * r['data_wait']:>8.2f}% {ratio:>6.2f}x {agree:>17}"
         )
     print(
         f"\nloss d: relative difference from the baseline over the first {COMPARE_STEPS} steps, "
-        f"mean per step / largest of {SMOOTH}-step means; ! = outside the tolerance"
+        f"mean per step / largest of {SMOOTH}-step means; ! = outside the tolerance; plan/rsv: "
+        "the planner's reserved peak over torch.cuda.max_memory_reserved"
     )
 
 

@@ -195,3 +195,41 @@ def test_variants_stack_with_plus_and_a_wrong_name_stops_before_any_run(bench):
     }
     with pytest.raises(SystemExit, match="unknown zero9"):
         bench.variant("zero1+zero9")
+
+
+def test_each_run_prints_the_planned_against_the_measured_peak(
+    bench, monkeypatch, tmp_path, capsys
+):
+    flat = curve()
+    stage = fake_stage({"baseline": flat, "dsflow": flat})
+
+    def with_memory(*args):
+        return {**stage(*args), "reserved_gb": 10.0, "planned_gb": 11.0}
+
+    monkeypatch.setattr(bench, "run_stage", with_memory)
+    monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
+    monkeypatch.setattr(bench, "datasheet_peak_tflops", lambda: (989.5, "datasheet"))
+    monkeypatch.setattr(bench, "flops_per_token", lambda config: 1.2e9)
+    argv = ["x", "--configs", "dense", "--variants", "baseline,dsflow", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    out = capsys.readouterr().out
+    assert "planned 11.0 GB vs reserved 10.0 GB (+10%)" in out
+    assert "plan/rsv" in out and " 1.10 " in out
+
+
+def test_fine_tuning_variants_continue_a_saved_random_init(bench, prepared, tmp_path, monkeypatch):
+    """`lora` and `full-ft` train from the config's random init, saved once as a checkpoint
+    the model builder loads (the tiny preset here)."""
+    from dsflow.model.build import build_model, load_checkpoint_config
+
+    monkeypatch.chdir(prepared)
+    config = {"preset": "tiny", "overrides": {}}
+    folder = bench.checkpoint_of(config, tmp_path)
+    assert bench.checkpoint_of(config, tmp_path) == folder  # saved once
+    net = build_model(
+        load_checkpoint_config(str(folder)), device_type="cpu", pretrained=str(folder)
+    )
+    assert net.config.vocab_size == bench.vocab_size()
+    assert (folder / "tokenizer.json").exists()
+    assert bench.variant("lora") == {"finetune": "lora"}

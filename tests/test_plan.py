@@ -736,3 +736,13 @@ def test_a_pretrained_deepseek_v2_folder_is_planned_from_its_own_config(monkeypa
 def test_the_plan_counts_each_familys_balance_loss(preset, balance, counted):
     """The balance loss's scores live until backward: V3's seq_aux_alpha, V2's aux_loss_alpha."""
     assert request._balance_loss(balance, model_config(preset, 1000)) is counted
+
+
+def test_metrics_get_the_plans_reserved_peak_on_a_gpu():
+    """The train stage hands the launch's planned peak, as max_memory_reserved counts it (no
+    CUDA context), to metrics/train.json; on CPU there is none."""
+    plan = {"estimate": {"gpu": {"total": 20 * 10**9}}}
+    fixed = memory.FRAMEWORK_OVERHEAD.gpu_fixed_bytes
+    assert train.planned_reserved_bytes(plan, "cuda") == 20 * 10**9 - fixed
+    assert train.planned_reserved_bytes(plan, "cpu") is None
+    assert train.planned_reserved_bytes(None, "cuda") is None

@@ -248,6 +248,10 @@ def write_metrics(spec, history, counts, val_loss, train_loss, wall_s, hardware)
         "data_wait_frac": mean("perf/data_wait_frac"),
         "peak_memory_gb_per_rank": [m / 1e9 for m in last.get("memory", [])],
         "peak_reserved_gb_per_rank": [m / 1e9 for m in last.get("reserved", [])],
+        # What the planner predicted for peak_reserved_gb_per_rank (dsflow.plan.memory), on a GPU.
+        "planned_reserved_gb": (
+            spec.planned_reserved_bytes / 1e9 if spec.planned_reserved_bytes else None
+        ),
         "experts_max_over_mean": last.get("experts/max_over_mean"),
         "experts_entropy_min": last.get("experts/entropy_min"),
         "world_size": spec.world,

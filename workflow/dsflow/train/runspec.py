@@ -44,6 +44,7 @@ class RunSpec:
     grad_clip: float
     precision: str
     peak_tflops: float | None
+    planned_reserved_bytes: int | None  # the planner's reserved peak per GPU (None on CPU)
     max_bad_steps: int
     log_every: int
     eval_every: int
@@ -77,6 +78,7 @@ class RunSpec:
             grad_clip=train["grad_clip"],
             precision=train["precision"],
             peak_tflops=train["peak_tflops"],
+            planned_reserved_bytes=run.get("planned_reserved_bytes"),
             max_bad_steps=train.get("max_bad_steps", 10),
             log_every=train["log_every"],
             eval_every=train["eval_every"],

@@ -349,6 +349,16 @@ def plan_memory(params: dict, world: int, device: str) -> tuple[dict, dict]:
     return params, layouts.assess(chosen, est if same else None)
 
 
+def planned_reserved_bytes(memory_plan: dict | None, device: str) -> int | None:
+    """The planner's peak per GPU for this launch as torch.cuda.max_memory_reserved sees it (its
+    total without the fixed CUDA context and workspaces, which the caching allocator does not
+    hold), for metrics/train.json to put beside the measured peak; None on CPU."""
+    if device != "cuda" or not memory_plan or not memory_plan.get("estimate"):
+        return None
+    total = memory_plan["estimate"]["gpu"]["total"]
+    return int(total - memory.FRAMEWORK_OVERHEAD.gpu_fixed_bytes)
+
+
 def preflight(params: dict, spec: dict, memory_plan: dict | None = None) -> dict:
     """The doctor's blockers and the planner's verdict, before any rank starts; returns the
     NCCL settings the machine needs (e.g. NCCL_P2P_DISABLE=1 on cards without peer access).
@@ -386,6 +396,7 @@ def run(params: dict) -> None:
         return
     nodes = launch.resolve_nodes(params["train"], spec["local_ranks"])
     nccl = preflight(params, spec, memory_plan)
+    spec["planned_reserved_bytes"] = planned_reserved_bytes(memory_plan, spec["device"])
     for key, value in nccl.items():
         log.info("setting %s=%s for this machine (see python -m dsflow doctor)", key, value)
     if nodes.leader:
