@@ -17,7 +17,7 @@ from dsflow import params as params_mod
 from dsflow.errors import UsageError
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.flops import flops_per_token
-from dsflow.model.loss import mean_loss
+from dsflow.model.loss import TrainingLM, mean_loss
 from dsflow.model.presets import PRESETS, model_config, param_counts
 from dsflow.plan import layouts, memory, request, stage, tables
 from dsflow.train import stage as train
@@ -94,9 +94,9 @@ def test_v3_expert_bank_is_one_module():
 # --------------------------------------------------------------------------- activations
 
 
-def _measured_saved_bytes(config, micro, seq, dtype) -> int:
+def _measured_saved_bytes(config, micro, seq, dtype, ce_chunk=0) -> int:
     """Bytes autograd saves for backward (parameters excluded), with the flash SDPA kernel the
-    CPU has and the grouped_mm experts path CUDA uses."""
+    CPU has and the grouped_mm experts path CUDA uses; `ce_chunk` > 0: the fused loss."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AutoModelForCausalLM
 
@@ -121,7 +121,11 @@ def _measured_saved_bytes(config, micro, seq, dtype) -> int:
     ids = torch.randint(0, config.vocab_size, (micro, seq + 1))
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = mean_loss(model, ids[:, :-1], ids[:, 1:]) + balancer.aux_loss()
+            if ce_chunk:
+                loss = TrainingLM(model, ce_chunk=ce_chunk)(ids[:, :-1], ids[:, 1:])
+            else:
+                loss = mean_loss(model, ids[:, :-1], ids[:, 1:])
+            loss = loss + balancer.aux_loss()
     assert torch.isfinite(loss)
     return sum(saved.values())
 
@@ -142,6 +146,22 @@ def test_saved_activations_match_autograd(preset, overrides, precision):
     measured = _measured_saved_bytes(config, 2, 64, dtype)
     predicted = memory.activation_bytes(config, seq_len=64, micro_batch=2, precision=precision)
     assert predicted["saved_no_checkpointing"] == pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_saved_activations_with_the_fused_loss_match_autograd(precision):
+    """train.perf.ce_chunk: no logits are saved, the gradients of the hidden states and of the
+    lm_head weight are (the plan's Setup.ce_chunk); here a vocabulary as large as a real one
+    next to the tiny layers, so the loss's share is the one that counts."""
+    config = model_config("tiny", 32000, {"v_head_dim": 48})
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    measured = _measured_saved_bytes(config, 2, 64, dtype, ce_chunk=37)
+    predicted = memory.activation_bytes(
+        config, seq_len=64, micro_batch=2, precision=precision, ce_chunk=37
+    )
+    assert predicted["saved_no_checkpointing"] == pytest.approx(measured, rel=0.02)
+    full = memory.activation_bytes(config, seq_len=64, micro_batch=2, precision=precision)
+    assert predicted["peak_no_checkpointing"] != full["peak_no_checkpointing"]
 
 
 def test_activation_checkpointing_reduces_activations():

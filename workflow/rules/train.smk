@@ -46,9 +46,10 @@ rule plan:
     input:
         code(
             "model/build.py",
+            "model/fastpaths.py",
+            "model/flops.py",
             "model/fp8.py",
             "model/lora.py",
-            "model/flops.py",
             "model/presets.py",
             "model/source.py",
             "plan",

@@ -40,7 +40,10 @@ the measured peaks.)
 - The head: the final norm, then the logits: dsflow computes the loss in fp32
   (``F.cross_entropy(logits.float())``), so log_softmax keeps an fp32 ``vocab``-wide row per
   token and backward briefly holds three of them (saved output, incoming grad, outgoing grad):
-  ``12 x vocab`` bytes per token, often the single largest activation.
+  ``12 x vocab`` bytes per token, often the single largest activation. With the fused
+  lm_head + cross-entropy (``train.perf.ce_chunk``, on by default on CUDA) no logits are kept:
+  its forward keeps the gradients of the hidden states and of the lm_head weight (fp32) for
+  backward and holds one chunk of fp32 logits at a time.
 - With activation checkpointing (HF ``gradient_checkpointing_enable``, per decoder layer) only
   each layer's input stays (``a x hidden`` per token per layer); backward recomputes one layer at
   a time.
@@ -136,6 +139,7 @@ class Setup:
     lora_adapter: int = 0
     lora_merged: int = 0
     lora_merged_layer: int = 0  # the same in the decoder layer that has the most
+    ce_chunk: int = 0  # train.perf.ce_chunk as resolved: 0 = the full fp32 logits
 
     @property
     def ranks_per_node(self) -> int:
@@ -260,8 +264,11 @@ def activation_bytes(
     micro_batch: int,
     precision: str,
     seq_aux: bool = True,
+    ce_chunk: int = 0,
 ) -> dict[str, Any]:
     """Activation memory of one micro batch, without and with activation checkpointing.
+    ``ce_chunk`` > 0: the fused lm_head + cross-entropy (dsflow.model.loss) over chunks of that
+    many tokens instead of the full fp32 logits.
 
     ``saved_*`` is what autograd keeps between forward and backward (what
     ``torch.autograd.graph.saved_tensors_hooks`` sees, parameters excluded); ``peak_*`` adds the
@@ -285,6 +292,8 @@ def activation_bytes(
     head = (_norm(H, a) + a * H) * T  # final norm + lm_head input
     logits_saved = 4 * V * T  # fp32 log_softmax output
     logits_peak = 12 * V * T  # backward: saved output + grad in + grad out, all fp32
+    if ce_chunk:
+        head, logits_saved, logits_peak = _fused_head(d, a, T, min(ce_chunk, T))
     # grouped_mm: routing-weighted expert outputs are fp32 (bf16 x fp32 scores) and are
     # un-permuted into a second fp32 copy: transient, one layer at a time (backward: their grads).
     moe_transient = (8 * H * K * T) if d["n_moe"] else 0
@@ -316,6 +325,18 @@ def activation_bytes(
         "peak_no_checkpointing": peak_full,
         "peak_checkpointing": peak_ckpt,
     }
+
+
+def _fused_head(d: dict[str, int], a: int, T: int, chunk: int) -> tuple[int, int, int]:
+    """(head, saved, peak) bytes of the fused lm_head + cross-entropy: the gradients are made
+    in the forward pass, one chunk of fp32 logits at a time, and kept for backward instead of
+    any logits: the hidden states' (16-bit) and the lm_head weight's (fp32). The peak adds one
+    chunk's fp32 logits and their 16-bit gradient, and the weight gradient's 16-bit product
+    and its fp32 copy while it is added in."""
+    H, V = d["H"], d["V"]
+    saved = a * H * T + 4 * V * H
+    peak = saved + (4 + a) * chunk * V + (a + 4) * V * H
+    return _norm(H, a) * T, saved, peak
 
 
 # --------------------------------------------------------------------------- estimate
@@ -442,6 +463,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "nodes": setup.nodes,
         "vocab_size": int(config.vocab_size),
         "lora_adapter": setup.lora_adapter,
+        "ce_chunk": setup.ce_chunk,
     }
 
 
@@ -466,6 +488,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         micro_batch=setup.micro_batch,
         precision=setup.precision,
         seq_aux=setup.seq_aux,
+        ce_chunk=setup.ce_chunk,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
     # Parameter adapters' W + B A copies live from a layer's forward to its backward: every

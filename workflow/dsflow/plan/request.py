@@ -351,6 +351,17 @@ def _resources(
     }
 
 
+def _ce_chunk(train: dict, device: str, precision: str) -> int:
+    """train.perf.ce_chunk as the train stage resolves it (dsflow.model.fastpaths: `auto` is
+    the fused loss on CUDA, never with fp16)."""
+    from dsflow.model import fastpaths
+
+    perf = {"ce_chunk": (train.get("perf") or {}).get("ce_chunk", "auto")}
+    if precision == "fp16":
+        perf["ce_chunk"] = 0
+    return fastpaths.resolve(perf, device, precision=precision).ce_chunk
+
+
 def _balance_loss(balance: dict, config: Any) -> bool:
     """Whether the balancer's aux loss runs (its scores stay alive until backward): V3's
     train.balance.seq_aux_alpha; V2's aux_loss_alpha, auto = the model config's (unset: on, as
@@ -463,6 +474,7 @@ def resolve(
         offload_device=offload_device,
         # --gpus plans one machine; params plan train.nodes machines of train.gpus ranks each.
         nodes=1 if _arg(args, "gpus") else int(train.get("nodes", 1)),
+        ce_chunk=_ce_chunk(train, where["device"], _arg(args, "precision") or train["precision"]),
         **_lora(train, args, config, notes),
         **_checkpoints(train, dsconfig.Batch(micro, accum, world)),
         **where,
