@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import itertools
 import json
 import os
@@ -72,6 +73,7 @@ from dsflow.model import flops
 from dsflow.model.fastpaths import DEFAULT_CE_CHUNK
 from dsflow.model.presets import model_config
 from dsflow.params import deep_merge
+from dsflow.paths import TOKENIZER
 from dsflow.train.stage import vocab_size
 
 SEQ, MICRO = 1024, 16
@@ -278,7 +280,8 @@ def checkpoint_of(config: dict, out: Path) -> Path:
 
     from dsflow.model.build import build_model
 
-    folder = out / "checkpoints" / f"{config['preset']}-{len(config['overrides'])}"
+    key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    folder = out / "checkpoints" / f"{config['preset']}-{key}"
     if not (folder / "config.json").exists():
         torch.manual_seed(0)
         net = build_model(
@@ -287,7 +290,7 @@ def checkpoint_of(config: dict, out: Path) -> Path:
             dtype="bf16",
         )
         net.save_pretrained(folder)
-        AutoTokenizer.from_pretrained("data/tokenizer").save_pretrained(folder)
+        AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
     return folder.resolve()
 
 

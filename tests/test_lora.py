@@ -261,3 +261,22 @@ def test_the_lora_profile_is_the_recipe_the_planner_fits(monkeypatch):
     assert plan["request"]["gpu_mem_bytes"] < 26e9 and plan["request"]["world"] == 3
     assert plan["verdict"]["fits"], plan["verdict"]
     assert plan["estimate"]["gpu"]["total"] < 24e9
+
+
+@pytest.mark.parametrize(
+    "change, overrides, needle",
+    [
+        ({"targets": ["dense_mlp"]}, {"first_k_dense_replace": 0}, "'dense_mlp' matches no"),
+        ({"dropout": 0.1}, {}, "train.lora.dropout"),
+    ],
+)
+def test_the_train_stage_checks_lora_against_the_checkpoint_before_launch(
+    tmp_path, change, overrides, needle
+):
+    """Before any rank loads the base: the checkpoint's shape, built on the meta device."""
+    from dsflow.train import stage as train
+
+    _base(**overrides).save_pretrained(tmp_path / "base")
+    with pytest.raises(UsageError, match=needle):
+        train.check_lora({"pretrained": str(tmp_path / "base")}, {**ALL, **change})
+    train.check_lora({"pretrained": str(tmp_path / "base")}, {**ALL, "targets": ["attention"]})

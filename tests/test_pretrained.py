@@ -132,20 +132,18 @@ def test_a_hub_id_resolves_offline_by_branch_tag_and_commit(hub, tmp_path):
     assert first["commit"] == COMMIT_A == record(repo, hub.home, revision="v1")["commit"]
     assert record(repo, hub.home, revision="dev")["commit"] == COMMIT_B
     assert record(repo, hub.home, revision=COMMIT_B)["commit"] == COMMIT_B
-    # The files a load reads, by the blob hashes the cache already holds (LFS: the sha256).
+    # The files a load reads, by name and size: the commit pins their content.
     assert [f["name"] for f in first["files"]] == FILES
     weights = (hub.a / "model.safetensors").read_bytes()
-    assert first["files"][2] == {
-        "name": "model.safetensors",
-        "size": len(weights),
-        "blob": hashlib.sha256(weights).hexdigest(),
-    }
+    assert first["files"][2] == {"name": "model.safetensors", "size": len(weights)}
     # The same bytes on a rerun and from another cache: no path of this machine in them.
     assert record(repo, hub.home, revision=None) == first
     once = (repo / PRETRAINED).read_bytes()
     other = tmp_path / "elsewhere/hf"
     shutil.copytree(hub.home, other, symlinks=True)
-    for home in (hub.home, other):
+    copies = tmp_path / "copies/hf"  # a cache without symlinks (copied with cp -rL)
+    shutil.copytree(hub.home, copies, symlinks=False)
+    for home in (hub.home, other, copies):
         dsflow("pretrained", cwd=repo, env=offline(home))
         assert (repo / PRETRAINED).read_bytes() == once
     assert str(tmp_path).encode() not in once and str(hub.home).encode() not in once
@@ -265,6 +263,10 @@ def test_train_plan_and_export_read_the_hub_checkpoint(cache, hub, prepared, tmp
     assert source.folder(params["model"]) == elsewhere / COMMIT_B
     moved = {**model, "pretrained": str(tmp_path / "gone")}
     assert source.folder(moved) == elsewhere / COMMIT_A
+    # A rank on another node gets node 0's folder in run.json: it loads the commit from its own
+    # cache instead.
+    moved_spec = RunSpec.from_files({**spec, "params": {**spec["params"], "model": moved}}, {})
+    assert engine.base_folder(moved_spec) == str(elsewhere / COMMIT_A)
 
 
 def test_the_tokenizer_stage_copies_the_checkpoints_tokenizer(hub, prepared, tmp_path):
@@ -350,3 +352,12 @@ def test_dvc_reruns_train_when_the_branch_moves_and_not_otherwise(hub, tmp_path)
     # Another revision is another params value: the stage reruns with the ones after it.
     update_params(repo, {"model": {"revision": "v1"}})
     assert {"pretrained", "tokenizer", "train"} <= set(dvc_status(repo))
+
+
+def test_a_hub_tokenizer_keeps_its_bos_flag(cache, hub):
+    """tokenizer.pretrained as a Hub id: add_bos_token comes from the cached
+    tokenizer_config.json, as for a folder (transformers 5 would drop it otherwise)."""
+    from dsflow.data.tokenizer import special_token_flags
+
+    assert special_token_flags(REPO_ID) == special_token_flags(str(hub.a))
+    assert special_token_flags(REPO_ID).get("add_bos_token") is True

@@ -280,7 +280,8 @@ def test_lora_trains_adapters_only_and_resumes_bit_exactly(prepared, baseline, t
     exported = _tensors(whole / "models/exported")
     for name, tensor in tuned.items():
         torch.testing.assert_close(exported[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
-    assert (whole / "models/exported/adapter/adapter_config.json").exists()
+    config = json.loads((whole / "models/exported/adapter/adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(baseline / "models/final")  # as given
 
     proc = _lora_run(
         prepared,

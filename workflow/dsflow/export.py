@@ -97,13 +97,14 @@ def _export_lora(root: Path, tag: str, out: Path, dtype: str, params: dict) -> P
     net = build_model(load_checkpoint_config(base), device_type="cpu", pretrained=base)
     adapted = lora.attach(net, params["train"]["lora"])
     missing, unexpected = net.load_state_dict(consolidated_state_dict(root, tag), strict=False)
-    missing = [k for k in missing if "lora_" in k]
+    # Frozen weights come from the base; the adapters and V3's routing biases must be here.
+    missing = [k for k in missing if "lora_" in k or k.endswith(lora.BIAS)]
     if missing or unexpected:
         raise UsageError(
             f"checkpoint {tag} does not match the LoRA model in {root}/run.json (missing "
             f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
         )
-    lora.save_final(adapted, base, out, TOKENIZER, dtype)
+    lora.save_final(adapted, base, out, TOKENIZER, dtype, params["model"]["source"]["pretrained"])
     return out
 
 

@@ -133,12 +133,19 @@ def load_pretrained(name: str, key: str = "tokenizer.pretrained"):
 
 
 def special_token_flags(name: str) -> dict:
-    """add_bos_token / add_eos_token as a local tokenizer's tokenizer_config.json sets them.
+    """add_bos_token / add_eos_token as a tokenizer's tokenizer_config.json sets them (a folder,
+    or a Hub id's file in the cache).
     DeepSeek's set add_bos_token: true, which transformers 5 ignores for a byte-level
     tokenizer.json unless it is passed again; passed, the saved tokenizer.json adds BOS itself,
     so the tokenize stage and a plain `tokenizer(text)` start every document with it."""
+    path = Path(name) / "tokenizer_config.json"
+    if not Path(name).is_dir():  # a Hub id: the file AutoTokenizer just put in the cache
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(name, "tokenizer_config.json")
+        path = Path(found) if isinstance(found, str) else path
     try:
-        config = json.loads((Path(name) / "tokenizer_config.json").read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     if not isinstance(config, dict):

@@ -104,10 +104,14 @@ def save_adapter(peft_model: Any, out: str, state_dict: dict | None = None) -> N
     peft_model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
 
 
-def save_final(peft_model: Any, base: str, out: Any, tokenizer: Any, dtype: str) -> None:
+def save_final(
+    peft_model: Any, base: str, out: Any, tokenizer: Any, dtype: str, base_name: str | None = None
+) -> None:
     """`out` (atomically): the merged model as a plain HF folder, and its adapter in
-    `out`/adapter. The merge starts from the base checkpoint `base` reloaded in `dtype` with the
-    saved adapter put back on it (:func:`load`), so every run proves its adapter loads."""
+    `out`/adapter, whose config names its base as `base_name` (model.pretrained as given;
+    default `base`, the local folder). The merge starts from the base checkpoint `base`
+    reloaded in `dtype` with the saved adapter put back on it (:func:`load`), so every run
+    proves its adapter loads."""
     from pathlib import Path
 
     from safetensors.torch import save_file
@@ -120,6 +124,8 @@ def save_final(peft_model: Any, base: str, out: Any, tokenizer: Any, dtype: str)
         for name, buf in peft_model.get_base_model().named_buffers()
         if name.endswith(BIAS)
     }
+    for config in peft_model.peft_config.values():
+        config.base_model_name_or_path = base_name or base
     with atomic_dir(out) as tmp:
         adapter = Path(tmp) / ADAPTER
         save_adapter(peft_model, str(adapter))
@@ -145,7 +151,12 @@ def load(base: str, adapter: Any, dtype: str | None = None) -> Any:
     )
     biases = Path(adapter) / BIASES
     if biases.exists():
-        fresh.load_state_dict(load_file(str(biases)), strict=False)
+        unexpected = fresh.load_state_dict(load_file(str(biases)), strict=False).unexpected_keys
+        if unexpected:
+            raise UsageError(
+                f"{biases}: {len(unexpected)} router bias(es) this model does not have "
+                f"({unexpected[0]}, ...); the adapter was trained on another base"
+            )
     return PeftModel.from_pretrained(fresh, adapter)
 
 

@@ -67,26 +67,18 @@ def _check_no_revision(name: str, revision: str | None) -> None:
 
 
 def hub_record(repo_id: str, revision: str | None, snapshot_dir: Path) -> dict:
-    """A snapshot's commit and files: name, size and blob hash, no path of this machine."""
+    """A snapshot's commit and files (name and size), no path of this machine. The commit pins
+    every file's content; a per-file hash would differ between a cache of symlinked blobs (git
+    blob ids for small files) and one of copies."""
     names = loadable(snapshot_dir)
     check_weights(f"{repo_id}@{snapshot_dir.name}", snapshot_dir, names, repo_id)
-    files = [
-        {"name": n, "size": (snapshot_dir / n).stat().st_size, "blob": _blob(snapshot_dir / n)}
-        for n in names
-    ]
+    files = [{"name": n, "size": (snapshot_dir / n).stat().st_size} for n in names]
     return {
         "pretrained": repo_id,
         "revision": revision,
         "commit": snapshot_dir.name,
         "files": files,
     }
-
-
-def _blob(path: Path) -> str:
-    """The cache's name for a file's content: its blob (the LFS sha256, else the git blob id)."""
-    if path.is_symlink():
-        return Path(path.readlink()).name
-    return sha256_file(path)  # a cache without symlinks holds copies
 
 
 def loadable(root: Path) -> list[str]:
@@ -189,6 +181,11 @@ def not_cached(repo_id: str, rev: str, download: bool, incomplete: bool = False)
             f"model.pretrained: the cached snapshot of {repo_id}@{rev} in {cache} is partial {why}"
         )
     held = cached_revisions(cache / f"models--{repo_id.replace('/', '--')}")
+    if held and not download:  # the revision may be the commit data/pretrained.json recorded
+        return (
+            f"model.pretrained: {repo_id}@{rev} (model.revision, or the commit {PRETRAINED} "
+            f"recorded) is not in the Hugging Face cache {cache} (it holds {', '.join(held)}) {why}"
+        )
     if held:
         return (
             f"model.revision: {rev!r} of {repo_id} is not in the Hugging Face cache {cache} "

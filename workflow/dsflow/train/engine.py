@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from dsflow.data.shards import ShardReader
-from dsflow.model import balance, fastpaths
+from dsflow.model import balance, fastpaths, source
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.build import build_model
 from dsflow.model.loss import TrainingLM, evaluate_loss
@@ -111,9 +111,14 @@ def _model(spec: RunSpec, device_type: str) -> Any:
     config = model_config(spec.model["preset"], spec.vocab_size, spec.model["overrides"])
     # LoRA's base stays frozen, so it needs no fp32 copy: load it as DeepSpeed will hold it.
     dtype = spec.precision if spec.lora_on else None
-    return build_model(
-        config, device_type=device_type, pretrained=spec.model["pretrained"], dtype=dtype
-    )
+    return build_model(config, device_type=device_type, pretrained=base_folder(spec), dtype=dtype)
+
+
+def base_folder(spec: RunSpec) -> str | None:
+    """This node's folder of model.pretrained: node 0's when it has it, else the same commit in
+    this node's cache (run.json carries node 0's path)."""
+    folder = source.folder(spec.model)
+    return None if folder is None else str(folder)
 
 
 def _adapter(model: Any, spec: RunSpec, rank: int) -> Any:

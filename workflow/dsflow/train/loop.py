@@ -206,8 +206,10 @@ def _save_lora(run: engine.Run, spec: RunSpec) -> None:
         gathered = deepspeed.zero.GatheredParameters(trained)
     with gathered:
         if run.rank == 0:
-            base = spec.model["pretrained"]
-            lora.save_final(run.adapter, base, FINAL, TOKENIZER, spec.precision)
+            # The adapter names its base as the user did (a Hub id, not this machine's cache).
+            name = (spec.model.get("source") or spec.model)["pretrained"]
+            base = engine.base_folder(spec)
+            lora.save_final(run.adapter, base, FINAL, TOKENIZER, spec.precision, name)
 
 
 def hardware(run: engine.Run, spec: RunSpec, device_name: str) -> dict:

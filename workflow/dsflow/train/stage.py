@@ -36,7 +36,7 @@ from dsflow import checks, dsconfig, launch, machine
 from dsflow.atomic import write_json
 from dsflow.data.shards import load_index
 from dsflow.errors import UsageError
-from dsflow.model import fastpaths, presets, source
+from dsflow.model import fastpaths, lora, presets, source
 from dsflow.model.build import check_vocab_fits, load_checkpoint_config
 from dsflow.paths import CHECKPOINTS, SHARDS
 from dsflow.plan import layouts, memory, request
@@ -69,6 +69,19 @@ def check_pretrained_vocab(model: dict, vocab: int) -> None:
         check_vocab_fits(model["source"]["pretrained"], config.vocab_size, vocab)
 
 
+def check_lora(model: dict, setting: dict) -> None:
+    """train.lora against the checkpoint's own shape, before any rank loads its weights: the
+    model is built on the meta device (no memory), and dsflow.model.lora says what it cannot
+    take, in one line."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = load_checkpoint_config(model["pretrained"])
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config)
+    lora.check(net, setting)
+
+
 def run_fingerprint(params: dict, global_batch: int, data_sha: str) -> str:
     """The fingerprint (ckpt.fingerprint) of a run spec's params: a pretrained checkpoint counts
     by what it is (org/name@commit, or a folder's content hash), not by the folder this machine
@@ -93,6 +106,8 @@ def resolve_run(params: dict) -> dict:
     # The ranks build the model from the spec's model section: the checkpoint's local folder.
     params = {**params, "model": source.resolved(params["model"])}
     check_pretrained_vocab(params["model"], vocab)
+    if train["finetune"] == "lora":
+        check_lora(params["model"], train["lora"])
     if device == "cpu" and train["precision"] == "fp16":
         raise UsageError(
             "train.precision: fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); "
