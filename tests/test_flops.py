@@ -12,7 +12,7 @@ from dsflow.model.flops import (
     mfu_peak,
     peak_flops,
 )
-from dsflow.model.presets import PRESETS, model_config, param_counts
+from dsflow.model.presets import PRESETS, activated_matmul_params, model_config, param_counts
 
 V = 1000
 
@@ -168,3 +168,11 @@ def test_mfu_is_against_the_datasheet_dense_peak_of_the_precision_in_use():
     assert peak == pytest.approx(780e12) and what == "train.peak_tflops 780 TFLOP/s"
     peak, what = mfu_peak("cpu", "bf16")
     assert peak is None and "no datasheet peak" in what
+
+
+def test_lora_counts_no_weight_gradients_for_the_frozen_weights():
+    """train.finetune lora: 4 N per token (forward + input gradients) instead of 6 N; the
+    attention term is the same."""
+    config = model_config("tiny", 1000)
+    full, lora = flops_per_token(config, 64), flops_per_token(config, 64, frozen=True)
+    assert full - lora == 2 * activated_matmul_params(config)

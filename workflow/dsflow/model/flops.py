@@ -14,7 +14,7 @@ from typing import Any
 from dsflow.model.presets import activated_matmul_params
 
 
-def flops_per_token(config: Any, seq_len: int) -> int:
+def flops_per_token(config: Any, seq_len: int, frozen: bool = False) -> int:
     """Training FLOPs per token (forward + backward) of a DeepseekV3ForCausalLM or a
     DeepseekV2ForCausalLM: the families differ in how the router scores, not in matmuls.
 
@@ -29,13 +29,16 @@ def flops_per_token(config: Any, seq_len: int) -> int:
       paper (appendix B) count it, so MFU numbers compare with theirs.
 
     No activation recomputation is counted (that would be hardware FLOPs, not model FLOPs).
-    Used by the trainer's MFU and by planners.
+    ``frozen``: the weights train through LoRA adapters (train.finetune lora), so no weight
+    gradients are computed: ``4 * N`` (the adapters' own matmuls, rank x (in + out) per weight,
+    are left out: well under 1% at the ranks people use). Used by the trainer's MFU and by
+    planners.
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
     attn = 6 * config.num_hidden_layers * config.num_attention_heads * (qk + config.v_head_dim)
-    return 6 * activated_matmul_params(config) + attn * int(seq_len)
+    return (4 if frozen else 6) * activated_matmul_params(config) + attn * int(seq_len)
 
 
 # Dense (no 2:4 sparsity) peak tensor-core TFLOP/s per GPU from the vendor datasheets, the

@@ -593,7 +593,7 @@ def summary(
     ckpt = checkpoint_bytes(P, precision, zero_stage, trainable)
     export = bytes_per_element(precision) * P
     checkpoints = keep_checkpoints + 1 if checkpoints is None else checkpoints
-    fpt = flops_per_token(config, seq_len)
+    fpt = flops_per_token(config, seq_len, frozen=bool(trainable))
     return {
         "params_total": P,
         "params_activated": counts["activated"],

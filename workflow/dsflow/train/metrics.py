@@ -280,7 +280,7 @@ class Meter:
         self.late = run.perf.async_metrics
         self.clock = StepClock(events=self.late and run.cuda)
         self.logger = Logger(start, spec.steps, resumed=start > 0) if run.rank == 0 else None
-        self.fpt = flops_per_token(run.model.config, spec.seq_len)
+        self.fpt = flops_per_token(run.model.config, spec.seq_len, frozen=spec.lora_on)
         self.device_name = torch.cuda.get_device_name(run.device) if run.cuda else "cpu"
         # MFU against the datasheet dense peak of the precision in use (train.peak_tflops wins).
         self.peak, _ = mfu_peak(self.device_name, spec.precision, spec.peak_tflops)
