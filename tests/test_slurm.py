@@ -37,6 +37,8 @@ def fake_slurm(tmp_path) -> dict:
 
 def with_train_inputs(repo):
     """Upstream outputs in place (newer than the code), so only the train job is submitted."""
+    (repo / "data").mkdir(exist_ok=True)
+    (repo / "data/pretrained.json").write_text("{}\n")
     for out in ("data/raw", "data/tokenizer", "data/tokens", "data/shards"):
         (repo / out).mkdir(parents=True)
         (repo / out / "placeholder").write_text("")
