@@ -165,12 +165,10 @@ def merged(peft_model: Any) -> Any:
     return peft_model.merge_and_unload()
 
 
-def _linears(config: Any) -> dict[str, list[tuple[int, int, int]]]:
-    """Per group, the adapted weights of one model as (in, out, copies): an adapter is
-    rank x (in + out) per copy (a routed expert is one copy of its gate/up and down)."""
-    from dsflow.model import presets
-
-    d = presets._dims(config)
+def _linears(d: dict[str, int]) -> dict[str, list[tuple[int, int, int]]]:
+    """Per group, the adapted weights of a model of dims `d` (presets._dims) as (in, out,
+    copies): an adapter is rank x (in + out) per copy (a routed expert is one copy of its
+    gate/up and down)."""
     H, heads, L = d["H"], d["heads"], d["L"]
     attn = [(H, d["kv_lora"] + d["rope"], L), (d["kv_lora"], heads * (d["nope"] + d["v"]), L)]
     attn.append((heads * d["v"], H, L))
@@ -196,8 +194,8 @@ def counts(config: Any, lora: dict) -> dict[str, int]:
     from dsflow.model import presets
 
     d = presets._dims(config)
-    shapes = _linears(config)
-    adapter, merged = 0, {"dense_mlp": 0, "shared_experts": 0, "experts": 0}
+    shapes = _linears(d)
+    adapter, merged = 0, {g: 0 for g, spec in GROUPS.items() if "parameters" in spec}
     for group in lora["targets"]:
         for fan_in, fan_out, copies in shapes[group]:
             adapter += lora["rank"] * (fan_in + fan_out) * copies
