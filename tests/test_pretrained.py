@@ -170,14 +170,29 @@ def test_a_hub_id_resolves_offline_by_branch_tag_and_commit(hub, tmp_path):
         ({"revision": "main"}, "model.revision: 'main' names a revision but model.pretrained"),
         ({"pretrained": ".", "revision": "main"}, "model.revision: 'main' is set but"),
         ({"pretrained": "."}, "model.pretrained: . has no config.json"),
+        ({"pretrained": "llama"}, "model.pretrained: llama has model_type 'llama'; dsflow trains"),
     ],
-    ids=["revision", "id", "pickles", "no-such", "no-pretrained", "folder-revision", "no-config"],
+    ids=[
+        "revision",
+        "id",
+        "pickles",
+        "no-such",
+        "no-pretrained",
+        "folder-revision",
+        "no-config",
+        "other-family",
+    ],
 )
 def test_bad_input_is_one_line_naming_the_key(hub, tmp_path, model, says):
     repo = params_only(tmp_path / "repo", model)
+    if model.get("pretrained") == "llama":  # a checkpoint of a family dsflow does not train
+        shutil.copytree(hub.a, repo / "llama")
+        config = json.loads((repo / "llama/config.json").read_text())
+        (repo / "llama/config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     proc = dsflow("pretrained", cwd=repo, check=False, env=offline(hub.home))
     line = proc.stderr.strip()
     assert proc.returncode == 2 and "\n" not in line and says in line, line
+    assert not (repo / PRETRAINED).exists()
     if model.get("revision") == "v9":  # what the cache holds instead
         assert "(it holds dev, main, v1, commit " in line
         assert f"commit {COMMIT_A[:12]}" in line and f"commit {COMMIT_B[:12]}" in line

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from dsflow.atomic import sha256_file, write_json
 from dsflow.errors import UsageError
+from dsflow.model.presets import FAMILIES
 from dsflow.paths import PRETRAINED, PRETRAINED_HASHES
 from dsflow.progress import log
 
@@ -72,6 +73,7 @@ def hub_record(repo_id: str, revision: str | None, snapshot_dir: Path) -> dict:
     blob ids for small files) and one of copies."""
     names = loadable(snapshot_dir)
     check_weights(f"{repo_id}@{snapshot_dir.name}", snapshot_dir, names, repo_id)
+    check_family(f"{repo_id}@{snapshot_dir.name}", snapshot_dir)
     files = [{"name": n, "size": (snapshot_dir / n).stat().st_size} for n in names]
     return {
         "pretrained": repo_id,
@@ -122,6 +124,22 @@ def check_weights(where: str, root: Path, names: list[str], repo_id: str | None 
             f"model.pretrained: {where} has {what}; dsflow loads safetensors only (pickles can "
             "run code): use a checkpoint with *.safetensors, or save it with "
             "save_pretrained(..., safe_serialization=True)"
+        )
+
+
+def check_family(where: str, root: Path) -> None:
+    """One line unless config.json names a model_type dsflow trains: the pretrained stage is the
+    first to read the checkpoint, so a Llama or Qwen folder stops here, not in the tokenizer or
+    train stage after a download."""
+    try:
+        model_type = json.loads((root / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        raise UsageError(f"model.pretrained: {where}: config.json is unreadable") from None
+    if model_type not in FAMILIES:
+        raise UsageError(
+            f"model.pretrained: {where} has model_type {model_type!r}; dsflow trains "
+            f"{' and '.join(map(repr, FAMILIES))} checkpoints (DeepSeek-V2, V2-Lite, V3, "
+            "Moonlight and their fine-tunes)"
         )
 
 
@@ -214,6 +232,7 @@ def folder_record(name: str) -> dict:
     root = Path(name).expanduser()
     names = loadable(root)
     check_weights(name, root, names)
+    check_family(name, root)
     hashes = file_hashes(root, names)
     files = [{"name": n, "size": hashes[n][0], "sha256": hashes[n][2]} for n in names]
     digest = hashlib.sha256(json.dumps([[f["name"], f["sha256"]] for f in files]).encode())
