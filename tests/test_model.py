@@ -406,7 +406,7 @@ def test_partial_weights_are_refused_in_one_line(tmp_path):
         save_file(tensors, f, metadata={"format": "pt"})
 
     msg = broken("no-shard", lambda f: f.unlink())
-    assert f"1 of the {len(shards)} shards" in msg and shards[1] in msg
+    assert f"lacks 1 of the {len(shards)} weight files" in msg and shards[1] in msg
     assert "lacks 1 weight(s)" in broken("no-tensor", drop_tensor)
     assert "do not match its config.json" in broken("shape", shrink_tensor)
     assert "no *.safetensors" in broken(

@@ -5,6 +5,7 @@
 rule pretrained:
     input:
         code(
+            "model/presets.py",
             "model/source.py",
             "atomic.py",
             "errors.py",

@@ -8,16 +8,16 @@ from __future__ import annotations
 import copy
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
-from dsflow.model import fp8
+from dsflow.model import fp8, source
 from dsflow.model.presets import FAMILIES, config_class, config_problems
 
 # The HF model class of each family (presets.FAMILIES).
 MODEL_CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
-INDEX = "model.safetensors.index.json"
 
 
 def model_class(model_type: str) -> type:
@@ -96,7 +96,8 @@ def load_pretrained(pretrained: str, tokens: int, **kwargs: Any) -> Any:
     embeddings is a one-line UsageError. Weights from safetensors only."""
     ck_config = load_checkpoint_config(pretrained)
     check_vocab_fits(pretrained, ck_config.vocab_size, tokens)
-    _check_weight_files(pretrained)
+    root = Path(pretrained)
+    source.check_weights(pretrained, root, source.loadable(root))
     try:
         # A block-FP8 checkpoint (DeepSeek-V3's published weights) is dequantized on load.
         model, info = fp8.from_pretrained(
@@ -127,32 +128,6 @@ def check_vocab_fits(pretrained: str, checkpoint_vocab: int, tokens: int) -> Non
             f"the tokenizer has {tokens} tokens but model.pretrained {pretrained} has "
             f"vocab_size {checkpoint_vocab}: use the tokenizer the checkpoint was trained with "
             "(tokenizer.pretrained), or resize the checkpoint's embeddings and save it again"
-        )
-
-
-def _check_weight_files(pretrained: str) -> None:
-    """Every shard the index lists is on disk, and there are safetensors weights at all."""
-    index = os.path.join(pretrained, INDEX)
-    if not os.path.isfile(index):
-        if not any(name.endswith(".safetensors") for name in os.listdir(pretrained)):
-            raise UsageError(
-                f"pretrained checkpoint {pretrained!r} has no *.safetensors weights (dsflow "
-                "loads safetensors only; save the model with save_pretrained)"
-            )
-        return
-    try:
-        with open(index) as fh:
-            shards = sorted(set(json.load(fh)["weight_map"].values()))
-    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
-        raise UsageError(
-            f"pretrained checkpoint {pretrained!r}: unreadable {INDEX} ({exc})"
-        ) from None
-    gone = [s for s in shards if not os.path.isfile(os.path.join(pretrained, s))]
-    if gone:
-        raise UsageError(
-            f"pretrained checkpoint {pretrained!r} is incomplete: {len(gone)} of the "
-            f"{len(shards)} shards {INDEX} lists are missing ({', '.join(gone[:3])}"
-            f"{', ...' if len(gone) > 3 else ''}); download the checkpoint again"
         )
 
 

@@ -31,9 +31,11 @@ import copy
 import json
 import os
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 from dsflow.errors import UsageError
+from dsflow.model import source
 
 _FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 # Scales stored as numbers (DeepSeek's are fp32); integer-coded exponents (uint8) are not read.
@@ -131,7 +133,7 @@ def _dequantizing_state_dict(folder: str | os.PathLike, block: tuple[int, int], 
 
     opened = {
         file: files.enter_context(safe_open(os.path.join(folder, file), framework="pt"))
-        for file in _weight_files(folder)
+        for file in source.weight_files(str(folder), Path(folder))
     }
     slices = {key: handle.get_slice(key) for handle in opened.values() for key in handle.keys()}
     state: dict[str, Any] = {}
@@ -167,16 +169,3 @@ def _check_scale(folder, key: str, weight: Any, scale: Any, block: tuple[int, in
             f"reads float scales ({', '.join(_SCALE_DTYPES)}): point model.pretrained at the "
             "model's bf16 release"
         )
-
-
-def _weight_files(folder: str | os.PathLike) -> list[str]:
-    """The safetensors files, as transformers finds them: the shard index's, or the one file."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as fh:
-            return sorted(set(json.load(fh)["weight_map"].values()))
-    if os.path.isfile(os.path.join(folder, "model.safetensors")):
-        return ["model.safetensors"]
-    raise UsageError(
-        f"model.pretrained: {folder} has no model.safetensors or model.safetensors.index.json"
-    )

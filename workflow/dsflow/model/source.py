@@ -32,6 +32,7 @@ from dsflow.progress import log
 ALLOW = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt"]
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map of tensors to files
 FOLDER_FIX = "give the checkpoint's folder or a Hub id (org/name)"
 
 
@@ -100,17 +101,13 @@ def check_weights(where: str, root: Path, names: list[str], repo_id: str | None 
     if "config.json" not in names:
         raise UsageError(f"model.pretrained: {where} has no config.json; {FOLDER_FIX}")
     weights = {n for n in names if n.endswith(".safetensors")}
-    index = [n for n in names if n.endswith(".safetensors.index.json")]
-    if index:
-        try:
-            shards = set(json.loads((root / index[0]).read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            raise UsageError(f"model.pretrained: {where}: {index[0]} is unreadable") from None
-        missing = sorted(shards - weights)
+    if (root / INDEX).is_file():
+        shards = weight_files(where, root)
+        missing = sorted(set(shards) - weights)
         if missing:
             raise UsageError(
                 f"model.pretrained: {where} lacks {len(missing)} of the {len(shards)} weight "
-                f"files its {index[0]} names ({missing[0]}); complete the folder (a Hub id: "
+                f"files its {INDEX} names ({missing[0]}); complete the folder (a Hub id: "
                 "rerun the pretrained stage with network access)"
             )
     elif not weights:
@@ -125,6 +122,17 @@ def check_weights(where: str, root: Path, names: list[str], repo_id: str | None 
             "run code): use a checkpoint with *.safetensors, or save it with "
             "save_pretrained(..., safe_serialization=True)"
         )
+
+
+def weight_files(where: str, root: Path) -> list[str]:
+    """The safetensors files a load reads, as transformers finds them: every shard the index
+    names, else the folder's *.safetensors (sorted; none when there are none)."""
+    if not (root / INDEX).is_file():
+        return sorted(p.name for p in root.glob("*.safetensors"))
+    try:
+        return sorted(set(json.loads((root / INDEX).read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise UsageError(f"model.pretrained: {where}: {INDEX} is unreadable") from None
 
 
 def check_family(where: str, root: Path) -> None:
