@@ -48,7 +48,12 @@ Needs data/shards and data/tokenizer (the data stages) in the working directory;
     python bench/train_throughput.py --configs moe --variants baseline,zero2+sorted-experts
     python bench/train_throughput.py --configs v2lite4,moonlight4 --variants dsflow,lora,full-ft
 
-Variants stack with +: `a+b` is b's overlay on a's.
+Variants stack with +: `a+b` is b's overlay on a's. `--repeat N` runs the variant list N times
+in turn (baseline, dsflow, baseline, dsflow, ...): step times are medians over the rounds and the
+speedup is the median of the rounds' ratios, printed with their range, since the same baseline
+moves by 10-15% between runs on one machine.
+
+    python bench/train_throughput.py --configs dense,moe --variants baseline,dsflow --repeat 3
 """
 
 from __future__ import annotations
@@ -368,6 +373,13 @@ def parse_args() -> argparse.Namespace:
         help="torch.profiler tables + traces for these variants (comma-separated; bare: all "
         "but the baseline and noise runs)",
     )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of the variant list, run in turn; step times are medians over rounds and "
+        "the speedup over the baseline is printed with its spread",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     return ap.parse_args()
 
@@ -375,36 +387,58 @@ def parse_args() -> argparse.Namespace:
 def run_config(
     cname: str, args: argparse.Namespace, peaks: tuple, out: Path, results: dict
 ) -> dict:
-    """Every variant of config `cname`, each saved into results.json as soon as it finishes.
-    `peaks` = (datasheet, measured) TFLOP/s: MFU and MFU of achievable."""
+    """Every variant of config `cname`, `--repeat` rounds of them in turn (so baseline and
+    dsflow alternate and share the machine's drift), each saved into results.json as soon as
+    it finishes. A variant's step time is the median over its rounds; its losses are round
+    1's. `peaks` = (datasheet, measured) TFLOP/s: MFU and MFU of achievable."""
     config = CONFIGS[cname]
     fpt = flops_per_token(config)
     runs = results["runs"][cname] = {}
-    for vname in args.variants.split(","):
-        name = f"{cname}-{vname}"
-        print(f"running {name} ...", flush=True)
-        profile = vname in args.profile.split(",") or (
-            args.profile == "all" and vname not in REFERENCES
-        )
-        r = run_stage(name, config, variant(vname), args.steps, out, profile)
-        if r.get("failed"):
-            continue
-        r["tokens_per_s"] = MICRO * SEQ / r["step_s"]
-        r["mfu"], r["mfu_of_achievable"] = (
-            r["tokens_per_s"] * fpt / (p * 1e12) if p else None for p in peaks
-        )
-        runs[vname] = r
-        print(
-            f"  {name}: {r['tokens_per_s']:,.0f} tok/s, MFU {percent(r['mfu'])} "
-            f"({percent(r['mfu_of_achievable'])} of achievable), "
-            f"step {1e3 * r['step_s']:.1f} ms, peak {r['peak_gb']:.1f} GB, "
-            f"data wait {100 * r['data_wait']:.2f}%, wall {r['wall_s']:.0f} s, "
-            f"{planned_vs_measured(r)}",
-            flush=True,
-        )
-        # Every finished run on disk at once: a bench stopped by a time limit keeps them.
-        (out / "results.json").write_text(json.dumps(results, indent=2))
+    for round_ in range(1, args.repeat + 1):
+        for vname in args.variants.split(","):
+            name = f"{cname}-{vname}" + (f"-{round_}" if args.repeat > 1 else "")
+            print(f"running {name} ...", flush=True)
+            profile = round_ == 1 and (
+                vname in args.profile.split(",")
+                or (args.profile == "all" and vname not in REFERENCES)
+            )
+            r = run_stage(name, config, variant(vname), args.steps, out, profile)
+            if r.get("failed"):
+                continue
+            first = runs.setdefault(vname, {**r, "step_s_rounds": {}})
+            first["step_s_rounds"][round_] = r["step_s"]
+            first["step_s"] = statistics.median(first["step_s_rounds"].values())
+            first["tokens_per_s"] = MICRO * SEQ / first["step_s"]
+            first["mfu"], first["mfu_of_achievable"] = (
+                first["tokens_per_s"] * fpt / (p * 1e12) if p else None for p in peaks
+            )
+            tps = MICRO * SEQ / r["step_s"]  # this round's
+            mfu, achv = (tps * fpt / (p * 1e12) if p else None for p in peaks)
+            print(
+                f"  {name}: {tps:,.0f} tok/s, MFU {percent(mfu)} ({percent(achv)} of "
+                f"achievable), step {1e3 * r['step_s']:.1f} ms, peak {r['peak_gb']:.1f} GB, "
+                f"data wait {100 * r['data_wait']:.2f}%, wall {r['wall_s']:.0f} s, "
+                f"{planned_vs_measured(r)}",
+                flush=True,
+            )
+            # Every finished run on disk at once: a bench stopped by a time limit keeps them.
+            (out / "results.json").write_text(json.dumps(results, indent=2))
     return runs
+
+
+def speedup(r: dict, base: dict | None) -> str:
+    """tokens/s over the baseline's: the median of the rounds' ratios (round k against the
+    baseline's round k) and, over several rounds, their spread."""
+    if not base:
+        return "n/a"
+    rounds = base["step_s_rounds"].keys() & r["step_s_rounds"].keys()  # both ran (none failed)
+    ratios = sorted(base["step_s_rounds"][k] / r["step_s_rounds"][k] for k in rounds)
+    if not ratios:
+        return "n/a"
+    mid = statistics.median(ratios)
+    if len(ratios) < 2:
+        return f"{mid:.2f}x"
+    return f"{mid:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def judge_config(cname: str, runs: dict, results: dict, rows: list) -> None:
@@ -448,13 +482,12 @@ def print_table(rows: list, peaks: tuple, datasheet: str) -> None:
     )
     header = (
         f"{'config':<7} {'run':<12} {'params tot/act':>16} {'tok/s':>9} {'MFU':>6} {'of achv':>7} "
-        f"{'step ms':>8} {'peak GB':>8} {'plan/rsv':>8} {'data wait':>9} {'x base':>7} "
+        f"{'step ms':>8} {'peak GB':>8} {'plan/rsv':>8} {'data wait':>9} {'x base':>18} "
         f"{'loss d mean/max':>17}"
     )
     print(header)
     print("-" * len(header))
     for cname, vname, r, base in rows:
-        ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         mean_d, max_d = r["loss_mean_rel_diff"], r["loss_max_smoothed_rel_diff"]
         agree = "" if mean_d is None else f"{100 * mean_d:.2f}/{100 * max_d:.2f}%"
         agree += "!" if r["loss_agrees"] is False else " " if agree else ""
@@ -463,7 +496,7 @@ def print_table(rows: list, peaks: tuple, datasheet: str) -> None:
             f"{cname:<7} {vname:<12} {params:>16} {r['tokens_per_s']:>9,.0f} "
             f"{percent(r['mfu']):>6} {percent(r['mfu_of_achievable']):>7} "
             f"{1e3 * r['step_s']:>8.1f} {r['peak_gb']:>8.1f} {plan_ratio(r):>8} "
-            f"{100 * r['data_wait']:>8.2f}% {ratio:>6.2f}x {agree:>17}"
+            f"{100 * r['data_wait']:>8.2f}% {speedup(r, base):>18} {agree:>17}"
         )
     print(
         f"\nloss d: relative difference from the baseline over the first {COMPARE_STEPS} steps, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -62,13 +63,13 @@ def test_the_tolerance_scales_with_the_noise_run_and_has_floors(bench):
     assert largest == pytest.approx(bench.NOISE_FACTOR * 0.02 + bench.FLOOR_MAX)
 
 
-def fake_stage(curves: dict):
+def fake_stage(curves: dict, step_s=lambda name: 0.1):
     def run_stage(name, config, variant, steps, out, profile):
-        vname = name.split("-", 1)[1]
+        vname = re.sub(r"-\d+$", "", name.split("-", 1)[1])  # dense-dsflow-2: round 2
         return {
             "name": name,
             "loss": curves[vname],
-            "step_s": 0.1,
+            "step_s": step_s(name),
             "data_wait": 0.001,
             "peak_gb": 10.0,
             "params_total": 200e6,
@@ -79,16 +80,45 @@ def fake_stage(curves: dict):
     return run_stage
 
 
-def run_bench(bench, monkeypatch, tmp_path, curves: dict, variants: str) -> int:
-    """bench.main() on `curves` (variant -> losses) for the dense config, no GPU needed."""
-    monkeypatch.setattr(bench, "run_stage", fake_stage(curves))
+def run_bench(bench, monkeypatch, tmp_path, curves: dict, variants: str, *more, **stage) -> int:
+    """bench.main() on `curves` (variant -> losses) for the dense config, no GPU needed; `more`:
+    further arguments, `stage`: fake_stage's."""
+    monkeypatch.setattr(bench, "run_stage", fake_stage(curves, **stage))
     monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
     what = "H200 SXM datasheet dense bf16 peak 989.5 TFLOP/s"
     monkeypatch.setattr(bench, "datasheet_peak_tflops", lambda: (989.5, what))
     monkeypatch.setattr(bench, "flops_per_token", lambda config: 1.2e9)
-    argv = ["x", "--configs", "dense", "--variants", variants, "--out", str(tmp_path)]
+    argv = ["x", "--configs", "dense", "--variants", variants, "--out", str(tmp_path), *more]
     monkeypatch.setattr(sys, "argv", argv)
     return bench.main()
+
+
+def test_repeated_rounds_alternate_and_give_the_speedup_with_its_spread(
+    bench, monkeypatch, tmp_path, capsys
+):
+    """--repeat 3: baseline and dsflow run in turn, three of each; step times are medians and
+    the speedup is the median of the rounds' ratios with their range."""
+    base_s = {"1": 0.30, "2": 0.36, "3": 0.33}
+    dsflow_s = {"1": 0.10, "2": 0.10, "3": 0.12}
+    order = []
+
+    def step_s(name):
+        order.append(name)
+        variant, round_ = name.split("-")[1:]
+        return (base_s if variant == "baseline" else dsflow_s)[round_]
+
+    curves = {"baseline": curve(), "dsflow": curve()}
+    code = run_bench(
+        bench, monkeypatch, tmp_path, curves, "baseline,dsflow", "--repeat", "3", step_s=step_s
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert order == [f"dense-{v}-{k}" for k in "123" for v in ("baseline", "dsflow")]
+    run = json.loads((tmp_path / "results.json").read_text())["runs"]["dense"]["dsflow"]
+    assert run["step_s"] == pytest.approx(0.10)
+    assert run["tokens_per_s"] == pytest.approx(16 * 1024 / 0.10)
+    # rounds: 3.00x, 3.60x, 2.75x
+    assert "3.00x (2.75-3.60)" in out
 
 
 @pytest.mark.parametrize(
