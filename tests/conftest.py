@@ -145,6 +145,26 @@ def dsflow(*args: str, cwd: Path, check: bool = True, **kw) -> subprocess.Comple
     return run([sys.executable, "-m", "dsflow", *args], cwd=cwd, check=check, **kw)
 
 
+def rewound_copy(run_dir: Path, dest: Path, step: int) -> Path:
+    """A copy of the finished train run in `run_dir` as a run stopped after its checkpoint of
+    `step` leaves it: the later checkpoints gone, `latest` on that one, loss.tsv cut after
+    `step`, no models/final or metrics/train.json, so that what a resume there logs and writes
+    comes from the resumed run. Costs no launch, where killing a run would cost one."""
+    from dsflow.train.checkpoint import tag_for
+
+    shutil.copytree(run_dir, dest)
+    root, tag = dest / "checkpoints", tag_for(step)
+    assert (root / tag).is_dir(), f"{run_dir} kept no checkpoint of step {step}"
+    for later in (p for p in root.glob("step*") if p.name > tag):
+        shutil.rmtree(later)
+    (root / "latest").write_text(f"{tag}\n")
+    shutil.rmtree(dest / "models/final")
+    (dest / "metrics/train.json").unlink()
+    tsv = dest / "dvclive/plots/metrics/train/loss.tsv"
+    tsv.write_text("".join(tsv.read_text().splitlines(keepends=True)[: step + 1]))  # + header
+    return dest
+
+
 @pytest.fixture
 def project(tmp_path) -> Path:
     """A copy of the project with small data params, not a git repo."""
