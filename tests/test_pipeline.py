@@ -167,12 +167,29 @@ def check_exp_show(repo: Path) -> None:
     assert "0.001" in out and "0.003" in out
 
 
+def final_model(repo: Path) -> dict[str, bytes]:
+    """models/final's files, without the .snakemake_timestamp Snakemake marks a finished folder
+    output with; printed: the val loss and the weights' digest."""
+    files = {p.name: p.read_bytes() for p in (repo / "models/final").iterdir()}
+    files.pop(".snakemake_timestamp", None)
+    loss = json.loads((repo / "metrics/train.json").read_text())["val_loss"]
+    digest = hashlib.sha256(files["model.safetensors"]).hexdigest()
+    print(f"{repo.name}: val_loss {loss!r}, model.safetensors sha256 {digest}")
+    return files
+
+
 def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
+    """Each front-end, from a clean checkout, runs the data stages and trains: the same model,
+    byte for byte. Snakemake sets OMP_NUM_THREADS to its job's cores, DVC leaves the user's
+    environment (here without it): the ranks' thread counts are dsflow's either way
+    (train.threads_per_rank). Then DVC runs the whole DAG twice and compares the runs."""
     repo = git_dvc_repo(tmp_path / "dvc")
     update_params(repo, TINY_TRAIN)
-    out = run(["dvc", "repro", "train"], cwd=repo)
+    unset = ["env", "-u", "OMP_NUM_THREADS", "-u", "MKL_NUM_THREADS"]
+    out = run([*unset, "dvc", "repro", "train"], cwd=repo)
     assert dvc_ran(out.stdout) == {*DATA_STAGES, "plan", "train"}
-    assert (repo / "models/final/config.json").exists()
+    trained_by_dvc = final_model(repo)
+    assert "config.json" in trained_by_dvc
     assert dvc_ran(run(["dvc", "repro", "train"], cwd=repo).stdout) == set()
 
     # The whole DAG, committed; then a second run with other params, and DVC compares them.
@@ -201,35 +218,7 @@ def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
     update_params(snake, SMALL_PARAMS)
     update_params(snake, TINY_TRAIN)
     run(["snakemake", "--cores", "all", "train"], cwd=snake)
-    assert (snake / "models/final/model.safetensors").exists()
+    assert "model.safetensors" in trained_by_dvc
+    assert final_model(snake) == trained_by_dvc
     assert (snake / "logs/train.log").exists()
     assert snakemake_jobs(snake, "train") == set()
-
-
-def test_both_front_ends_train_the_same_model(prepared, tmp_path):
-    # Snakemake sets OMP_NUM_THREADS to its job's cores, DVC leaves the user's environment (here
-    # without it): the ranks' thread counts are dsflow's either way (train.threads_per_rank).
-    unset = ["env", "-u", "OMP_NUM_THREADS", "-u", "MKL_NUM_THREADS"]
-    models = {}
-    for tool in ("snakemake", "dvc"):
-        repo = tmp_path / tool
-        shutil.copytree(prepared, repo)  # the data stages' outputs, mtimes kept
-        update_params(repo, TINY_TRAIN)
-        if tool == "snakemake":
-            assert snakemake_jobs(repo, "train") == {"plan", "train"}
-            run(["snakemake", "--cores", "all", "train"], cwd=repo)
-        else:
-            git_repo(repo)
-            run(["dvc", "commit", "--force", "--with-deps", "shard"], cwd=repo)  # data stages: done
-            out = run([*unset, "dvc", "repro", "train"], cwd=repo)
-            assert dvc_ran(out.stdout) == {"plan", "train"}
-        # Snakemake marks a finished folder output with its own .snakemake_timestamp.
-        final = (repo / "models/final").iterdir()
-        models[tool] = {p.name: p.read_bytes() for p in final if p.name != ".snakemake_timestamp"}
-        loss = json.loads((repo / "metrics/train.json").read_text())["val_loss"]
-        print(
-            f"{tool}: val_loss {loss!r}, model.safetensors sha256 "
-            f"{hashlib.sha256(models[tool]['model.safetensors']).hexdigest()}"
-        )
-    assert "model.safetensors" in models["dvc"]
-    assert models["snakemake"] == models["dvc"]
