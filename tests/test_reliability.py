@@ -610,8 +610,10 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_killed_download_leaves_nothing_that_looks_done(project, tmp_path):
-    from conftest import copy_project
+def test_killed_download_leaves_nothing_that_looks_done(project, prepared):
+    """A download big enough to be killed in the middle; the rerun, at the small params, removes
+    its temp dir and writes what the uninterrupted download of `prepared` wrote, byte for byte."""
+    from conftest import SMALL_PARAMS
 
     big = {"download": {"max_docs": 40000}}
     update_params(project, big)
@@ -631,12 +633,10 @@ def test_killed_download_leaves_nothing_that_looks_done(project, tmp_path):
     assert proc.wait() == -signal.SIGKILL
     assert not (data / "raw").exists()
     assert [p.name for p in data.glob("*raw*")] == [f".raw.tmp-{proc.pid}"]
+    update_params(project, SMALL_PARAMS)
     dsflow("download", cwd=project)
     assert [p.name for p in data.glob("*raw*")] == ["raw"]  # the stale temp is gone too
-    other = copy_project(tmp_path / "other")
-    shutil.copy2(project / "params.yaml", other / "params.yaml")
-    dsflow("download", cwd=other)
-    assert tree_bytes(data / "raw") == tree_bytes(other / "data/raw")
+    assert tree_bytes(data / "raw") == tree_bytes(prepared / "data/raw")
 
 
 @pytest.mark.slow
