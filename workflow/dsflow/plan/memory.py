@@ -44,6 +44,8 @@ the measured peaks.)
   lm_head + cross-entropy (``train.perf.ce_chunk``, on by default on CUDA) no logits are kept:
   its forward keeps the gradients of the hidden states and of the lm_head weight (fp32) for
   backward and holds one chunk of fp32 logits at a time.
+- Compiled layers (``train.perf.compile``, on by default on CUDA, never at ZeRO-3) save
+  :data:`COMPILED_LAYERS` of the above: Inductor recomputes cheap pointwise results in backward.
 - With activation checkpointing (HF ``gradient_checkpointing_enable``, per decoder layer) only
   each layer's input stays (``a x hidden`` per token per layer); backward recomputes one layer at
   a time.
@@ -88,6 +90,12 @@ class Overhead:
 # - host_per_rank_bytes, 2 GB: resident size of one rank's Python + torch + transformers +
 #   DeepSpeed process (CUDA libraries mapped), before any model tensor.
 FRAMEWORK_OVERHEAD = Overhead(gpu_fixed_bytes=2**30, gpu_fraction=0.08, host_per_rank_bytes=2 * GB)
+
+# Compiled decoder layers (train.perf.compile) save this share of what the eager layers do:
+# Inductor's partitioner recomputes cheap pointwise results (norms, SiLU, the gated product,
+# routing weights) in backward instead of saving them. Measured with saved_tensors_hooks on
+# the `medium` layers (docs/log.md); tests/test_plan.py holds it within 5% on CPU.
+COMPILED_LAYERS = 0.78
 
 # DeepSpeed 0.19 defaults that dsflow's generated config does not set.
 DS_ALLREDUCE_BUCKET = 500_000_000  # ZeRO-0 gradient all-reduce bucket (allreduce_bucket_size)
@@ -140,6 +148,7 @@ class Setup:
     lora_merged: int = 0
     lora_merged_layer: int = 0  # the same in the decoder layer that has the most
     ce_chunk: int = 0  # train.perf.ce_chunk as resolved: 0 = the full fp32 logits
+    compiled: bool = False  # train.perf.compile as resolved; no layout compiles at ZeRO-3
 
     @property
     def ranks_per_node(self) -> int:
@@ -265,10 +274,12 @@ def activation_bytes(
     precision: str,
     seq_aux: bool = True,
     ce_chunk: int = 0,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """Activation memory of one micro batch, without and with activation checkpointing.
     ``ce_chunk`` > 0: the fused lm_head + cross-entropy (dsflow.model.loss) over chunks of that
-    many tokens instead of the full fp32 logits.
+    many tokens instead of the full fp32 logits. ``compiled``: the decoder layers compiled
+    (:data:`COMPILED_LAYERS` of the eager layers' activations).
 
     ``saved_*`` is what autograd keeps between forward and backward (what
     ``torch.autograd.graph.saved_tensors_hooks`` sees, parameters excluded); ``peak_*`` adds the
@@ -285,8 +296,9 @@ def activation_bytes(
     per_tok_moe = _norm(H, a) + attention + moe_mlp
     rope_per_layer = a * d["rope"] * seq_len  # cos/sin in the activation dtype, per position
     router_weight = 4 * E * H if a < 4 else 0  # fp32 copy of the router weight, per MoE layer
-    layer_dense = per_tok_dense * T + rope_per_layer
-    layer_moe = per_tok_moe * T + rope_per_layer + router_weight
+    share = COMPILED_LAYERS if compiled else 1.0
+    layer_dense = int(share * per_tok_dense * T) + rope_per_layer
+    layer_moe = int(share * per_tok_moe * T) + rope_per_layer + router_weight
     layers = d["n_dense"] * layer_dense + d["n_moe"] * layer_moe
     embed = 24 * T + 8 * d["rope"] * seq_len  # ids, targets, embedding indices; fp32 cos/sin
     head = (_norm(H, a) + a * H) * T  # final norm + lm_head input
@@ -464,6 +476,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "vocab_size": int(config.vocab_size),
         "lora_adapter": setup.lora_adapter,
         "ce_chunk": setup.ce_chunk,
+        "compiled": bool(setup.compiled),
     }
 
 
@@ -489,6 +502,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         precision=setup.precision,
         seq_aux=setup.seq_aux,
         ce_chunk=setup.ce_chunk,
+        compiled=setup.compiled and setup.zero_stage != 3,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
     # Parameter adapters' W + B A copies live from a layer's forward to its backward: every

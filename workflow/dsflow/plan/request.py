@@ -351,15 +351,17 @@ def _resources(
     }
 
 
-def _ce_chunk(train: dict, device: str, precision: str) -> int:
-    """train.perf.ce_chunk as the train stage resolves it (dsflow.model.fastpaths: `auto` is
-    the fused loss on CUDA, never with fp16)."""
+def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
+    """The memory setup's fast paths as the train stage resolves train.perf
+    (dsflow.model.fastpaths): the fused loss (`auto`: on CUDA, never with fp16) and compiled
+    layers (`auto`: on CUDA; never at ZeRO-3, which :func:`memory.estimate` applies per layout)."""
     from dsflow.model import fastpaths
 
-    perf = {"ce_chunk": (train.get("perf") or {}).get("ce_chunk", "auto")}
+    perf = {k: v for k, v in (train.get("perf") or {}).items() if k in ("ce_chunk", "compile")}
     if precision == "fp16":
         perf["ce_chunk"] = 0
-    return fastpaths.resolve(perf, device, precision=precision).ce_chunk
+    chosen = fastpaths.resolve(perf, device, precision=precision)
+    return {"ce_chunk": chosen.ce_chunk, "compiled": chosen.compile}
 
 
 def _balance_loss(balance: dict, config: Any) -> bool:
@@ -474,7 +476,7 @@ def resolve(
         offload_device=offload_device,
         # --gpus plans one machine; params plan train.nodes machines of train.gpus ranks each.
         nodes=1 if _arg(args, "gpus") else int(train.get("nodes", 1)),
-        ce_chunk=_ce_chunk(train, where["device"], _arg(args, "precision") or train["precision"]),
+        **_perf(train, where["device"], _arg(args, "precision") or train["precision"]),
         **_lora(train, args, config, notes),
         **_checkpoints(train, dsconfig.Batch(micro, accum, world)),
         **where,
