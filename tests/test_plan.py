@@ -94,6 +94,21 @@ def test_v3_expert_bank_is_one_module():
 # --------------------------------------------------------------------------- activations
 
 
+def _saved_counter(model) -> tuple[dict[int, int], object]:
+    """(storage -> bytes, a saved_tensors_hooks pack function filling it): what autograd saves
+    for backward, the model's parameters left out."""
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in own and s.data_ptr() != 0:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    return saved, pack
+
+
 def _measured_saved_bytes(config, micro, seq, dtype, ce_chunk=0) -> int:
     """Bytes autograd saves for backward (parameters excluded), with the flash SDPA kernel the
     CPU has and the grouped_mm experts path CUDA uses; `ce_chunk` > 0: the fused loss."""
@@ -109,15 +124,7 @@ def _measured_saved_bytes(config, micro, seq, dtype, ce_chunk=0) -> int:
     )
     model.train()
     balancer = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=1e-4)
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in own and s.data_ptr() != 0:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
-
+    saved, pack = _saved_counter(model)
     ids = torch.randint(0, config.vocab_size, (micro, seq + 1))
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -178,16 +185,8 @@ def _saved_with_fast_paths(config, compiled: bool) -> int:
     perf = fastpaths.Perf(compiled, "flash_padded", 37, False, experts="sorted")
     fastpaths.apply(model, perf, balancer)
     trainee = TrainingLM(model, ce_chunk=37)
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, pack = _saved_counter(model)
     ids = torch.randint(0, config.vocab_size, (2, 65))
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in own and s.data_ptr() != 0:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
-
     for _ in range(2):
         saved.clear()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
