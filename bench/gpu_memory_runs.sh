@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Train-stage runs on one GPU whose measured peak memory checks dsflow's planner (dsflow.plan):
-# dense vs MoE, two micro batches, plus the `small` preset run. Results land in $OUT (or ./out).
+# Train-stage runs on one GPU whose measured peak memory checks dsflow's planner (dsflow.plan),
+# at params.yaml's defaults (every fast path the GPU takes; ZeRO-0 with the fused optimizer
+# unless a run sets ZeRO-2): MoE and dense, the `small` and `medium` presets, micro 16 and 8.
+# Each run prints the planned reserved peak beside torch.cuda.max_memory_reserved; results
+# land in $OUT (or ./out).
 #   bash bench/gpu_memory_runs.sh
 set -uo pipefail
 out=${OUT:-out}
@@ -15,30 +18,29 @@ run() {  # name, then overlay YAML text
   python3 - "$out/$name.json" "$name" <<'PY'
 import json, sys
 m = json.load(open(sys.argv[1]))
-print(f"{sys.argv[2]:<16} tok/s {m['tokens_per_s']:>9.0f}  MFU {100 * (m['mfu'] or 0):5.1f}%  "
-      f"alloc {m['peak_memory_gb_per_rank'][0]:6.2f} GB  reserved {m['peak_reserved_gb_per_rank'][0]:6.2f} GB  "
-      f"val {m['val_loss']:.3f}  wall {m['wall_s']:.0f}s")
+alloc, rsv = m["peak_memory_gb_per_rank"][0], m["peak_reserved_gb_per_rank"][0]
+plan = m["planned_reserved_gb"]
+print(f"{sys.argv[2]:<22} alloc {alloc:6.2f} GB  reserved {rsv:6.2f} GB  planned {plan:6.2f} GB "
+      f"({100 * (plan / rsv - 1):+.1f}%)")
 PY
 }
-# The planner-accuracy table (docs/performance.md) is measured at ZeRO-2 with HF's experts:
-# every run pins them, so it reproduces whatever the defaults are.
+# Memory needs no long run: 14 steps, no checkpoint before the end.
 short='train:
-  gpus: 1
-  zero_stage: 2
-  perf: {experts: hf}
-  max_steps: 12
-  eval_every: 12
-  checkpoint_every: 12'
-run small-moe-m16 'train:
-  gpus: 1
-  zero_stage: 2
-  perf: {experts: hf}
-  max_steps: 150
-  eval_every: 50
-  checkpoint_every: 150'
-run small-moe-m8 "$short" '  micro_batch: 8'
-run small-dense-m16 "$short" 'model:
-  overrides: {first_k_dense_replace: 16}'
-run medium-moe-m4 "$short" '  micro_batch: 4
-model:
+  max_steps: 14
+  eval_every: 14
+  eval_batches: 2
+  checkpoint_every: 1000'
+medium='model:
   preset: medium'
+medium_dense='model:
+  preset: medium
+  overrides: {first_k_dense_replace: 16}'
+run small-moe-m16-z0 "$short"
+run medium-moe-m16-z0 "$medium" "$short"
+run medium-dense-m16-z0 "$medium_dense" "$short"
+run small-moe-m16-z2 "$short" '  zero_stage: 2'
+run medium-moe-m8-z2 "$medium" "$short" '  zero_stage: 2' '  micro_batch: 8'
+run small-dense-m16-z0 'model:
+  overrides: {first_k_dense_replace: 16}' "$short"
+run small-moe-m8-z0 "$short" '  micro_batch: 8'
+run medium-dense-m8-z2 "$medium_dense" "$short" '  zero_stage: 2' '  micro_batch: 8'
