@@ -52,7 +52,8 @@ the measured peaks.)
 
 Plus DeepSpeed's communication buckets, ZeRO-3's gathered module, and
 :data:`FRAMEWORK_OVERHEAD`. The estimate is a model, not a measurement: it is meant to be within
-~10-15 % of ``torch.cuda.max_memory_reserved()``; a GPU run will calibrate it.
+15 % of ``torch.cuda.max_memory_reserved()``, and errs high: docs/performance.md has the
+H200 runs it is held against.
 
 Sizes are in GB = 10^9 bytes.
 """
