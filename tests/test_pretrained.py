@@ -105,7 +105,12 @@ def hub(tmp_path_factory) -> SimpleNamespace:
     lay_out_cache(home, REPO_ID, {COMMIT_A: a, COMMIT_B: b}, {"main": COMMIT_A, "v1": COMMIT_A})
     set_ref(home, REPO_ID, "dev", COMMIT_B)
     lay_out_cache(home, "dsflow-test/pickled", {COMMIT_A: pickled}, {"main": COMMIT_A})
-    return SimpleNamespace(home=home, a=a, b=b)
+    llama = root / "llama"  # a checkpoint of a family dsflow does not train
+    shutil.copytree(a, llama)
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    lay_out_cache(home, "dsflow-test/llama", {COMMIT_A: llama}, {"main": COMMIT_A})
+    return SimpleNamespace(home=home, a=a, b=b, llama=llama)
 
 
 def offline(hf_home: Path) -> dict:
@@ -171,6 +176,10 @@ def test_a_hub_id_resolves_offline_by_branch_tag_and_commit(hub, tmp_path):
         ({"pretrained": ".", "revision": "main"}, "model.revision: 'main' is set but"),
         ({"pretrained": "."}, "model.pretrained: . has no config.json"),
         ({"pretrained": "llama"}, "model.pretrained: llama has model_type 'llama'; dsflow trains"),
+        (
+            {"pretrained": "dsflow-test/llama"},
+            f"model.pretrained: dsflow-test/llama@{COMMIT_A} has model_type 'llama'",
+        ),
     ],
     ids=[
         "revision",
@@ -181,14 +190,13 @@ def test_a_hub_id_resolves_offline_by_branch_tag_and_commit(hub, tmp_path):
         "folder-revision",
         "no-config",
         "other-family",
+        "other-family-hub",
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(hub, tmp_path, model, says):
     repo = params_only(tmp_path / "repo", model)
-    if model.get("pretrained") == "llama":  # a checkpoint of a family dsflow does not train
-        shutil.copytree(hub.a, repo / "llama")
-        config = json.loads((repo / "llama/config.json").read_text())
-        (repo / "llama/config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    if model.get("pretrained") == "llama":
+        shutil.copytree(hub.llama, repo / "llama")
     proc = dsflow("pretrained", cwd=repo, check=False, env=offline(hub.home))
     line = proc.stderr.strip()
     assert proc.returncode == 2 and "\n" not in line and says in line, line

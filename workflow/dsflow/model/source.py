@@ -57,6 +57,9 @@ def resolve(model: dict, *, download: bool = False) -> dict:
     if not is_hub_id(name):
         _check_no_revision(name, revision)
         return folder_record(name)
+    if download:  # config.json first: another family's checkpoint stops before its weights come
+        head = snapshot(name, revision, download=True, patterns=["config.json"])
+        check_family(f"{name}@{head.name}", head)
     return hub_record(name, revision, snapshot(name, revision, download=download))
 
 
@@ -126,13 +129,14 @@ def check_weights(where: str, root: Path, names: list[str], repo_id: str | None 
 
 def weight_files(where: str, root: Path) -> list[str]:
     """The safetensors files a load reads, as transformers finds them: every shard the index
-    names, else the folder's *.safetensors (sorted; none when there are none)."""
+    names, else model.safetensors (none when it is not there: check_weights says why)."""
     if not (root / INDEX).is_file():
-        return sorted(p.name for p in root.glob("*.safetensors"))
+        return ["model.safetensors"] if (root / "model.safetensors").is_file() else []
     try:
         return sorted(set(json.loads((root / INDEX).read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise UsageError(f"model.pretrained: {where}: {INDEX} is unreadable") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        detail = " ".join(str(exc).split())[:200]
+        raise UsageError(f"model.pretrained: {where}: {INDEX} is unreadable ({detail})") from None
 
 
 def check_family(where: str, root: Path) -> None:
@@ -161,15 +165,17 @@ def _cached_tree(repo_id: str, commit: str) -> list[str]:
         return []
 
 
-def snapshot(repo_id: str, revision: str | None, *, download: bool) -> Path:
+def snapshot(
+    repo_id: str, revision: str | None, *, download: bool, patterns: list[str] = ALLOW
+) -> Path:
     """The local snapshot folder of `repo_id` at `revision` (None: main) in huggingface_hub's
-    cache; with `download`, the allowed files the cache lacks are fetched first (online)."""
+    cache; with `download`, the files of `patterns` the cache lacks are fetched first (online)."""
     from huggingface_hub import errors, snapshot_download
 
     rev = revision or "main"
     try:
         path = snapshot_download(
-            repo_id, revision=revision, allow_patterns=ALLOW, local_files_only=not download
+            repo_id, revision=revision, allow_patterns=patterns, local_files_only=not download
         )
     except errors.RevisionNotFoundError:
         raise UsageError(
