@@ -94,8 +94,11 @@ FRAMEWORK_OVERHEAD = Overhead(gpu_fixed_bytes=2**30, gpu_fraction=0.08, host_per
 
 # Compiled decoder layers (train.perf.compile) save this share of what the eager layers do:
 # Inductor's partitioner recomputes cheap pointwise results (norms, SiLU, the gated product,
-# routing weights) in backward instead of saving them. Measured with saved_tensors_hooks on
-# the `medium` layers (docs/log.md); tests/test_plan.py holds it within 5% on CPU.
+# routing weights) in backward instead of saving them. Measured with saved_tensors_hooks on CPU
+# (`medium` widths, 3 layers, every fast path; bf16, seq 64 x micro 2): 29.64 MB saved against
+# 36.31 MB eager; the plan puts 30.6 MB of the eager count in the layers (the rest: embedding,
+# head, fused loss), so the layers keep 0.78. tests/test_plan.py holds the whole count within 5%. On an H200 the
+# compiled layers kept 0.70 to 0.73 (docs/performance.md): the plan errs high there.
 COMPILED_LAYERS = 0.78
 
 # DeepSpeed 0.19 defaults that dsflow's generated config does not set.
@@ -154,6 +157,11 @@ class Setup:
     @property
     def ranks_per_node(self) -> int:
         return _ceil_div(self.world, self.nodes)
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the layers are compiled: never at ZeRO-3 (dsflow.model.fastpaths)."""
+        return self.compiled and self.zero_stage != 3
 
     @property
     def fused(self) -> bool:
@@ -477,7 +485,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "vocab_size": int(config.vocab_size),
         "lora_adapter": setup.lora_adapter,
         "ce_chunk": setup.ce_chunk,
-        "compiled": bool(setup.compiled),
+        "compiled": setup.compiles,
     }
 
 
@@ -503,7 +511,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         precision=setup.precision,
         seq_aux=setup.seq_aux,
         ce_chunk=setup.ce_chunk,
-        compiled=setup.compiled and setup.zero_stage != 3,
+        compiled=setup.compiles,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
     # Parameter adapters' W + B A copies live from a layer's forward to its backward: every
