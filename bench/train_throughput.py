@@ -50,8 +50,9 @@ Needs data/shards and data/tokenizer (the data stages) in the working directory;
 
 Variants stack with +: `a+b` is b's overlay on a's. `--repeat N` runs the variant list N times
 in turn (baseline, dsflow, baseline, dsflow, ...): step times are medians over the rounds and the
-speedup is the median of the rounds' ratios, printed with their range, since the same baseline
-moves by 10-15% between runs on one machine.
+speedup is the median of the rounds' ratios, printed with their range, since the same baseline's
+step time moves between runs (docs/performance.md). Every listed variant reruns each round, the
+noise runs too: list only the timed ones with --repeat.
 
     python bench/train_throughput.py --configs dense,moe --variants baseline,dsflow --repeat 3
 """
@@ -389,8 +390,8 @@ def run_config(
 ) -> dict:
     """Every variant of config `cname`, `--repeat` rounds of them in turn (so baseline and
     dsflow alternate and share the machine's drift), each saved into results.json as soon as
-    it finishes. A variant's step time is the median over its rounds; its losses are round
-    1's. `peaks` = (datasheet, measured) TFLOP/s: MFU and MFU of achievable."""
+    it finishes. A variant's step time is the median over its rounds; its losses are those of
+    its first round that finished. `peaks` = (datasheet, measured) TFLOP/s: MFU and MFU of achievable."""
     config = CONFIGS[cname]
     fpt = flops_per_token(config)
     runs = results["runs"][cname] = {}
