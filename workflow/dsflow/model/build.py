@@ -14,7 +14,7 @@ from typing import Any
 from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
 from dsflow.model import fp8, source
-from dsflow.model.presets import FAMILIES, config_class, config_problems
+from dsflow.model.presets import config_class, config_problems
 
 # The HF model class of each family (presets.FAMILIES).
 MODEL_CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
@@ -164,11 +164,7 @@ def load_checkpoint_config(pretrained: str) -> Any:
     try:
         with open(cfg_path) as fh:
             model_type = json.load(fh).get("model_type")
-        if model_type not in FAMILIES:
-            raise UsageError(
-                f"model.pretrained {pretrained!r} has model_type {model_type!r}; dsflow trains "
-                f"{' and '.join(map(repr, FAMILIES))} checkpoints"
-            )
+        source.refuse_other_family(repr(pretrained), model_type)
         fp8.block_size(pretrained)  # refuses any quantization but DeepSeek's block FP8
         # Dequantized on load, so the model and what it saves carry no quantization_config.
         config = fp8.strip(config_class(model_type).from_pretrained(pretrained))

@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from dsflow.atomic import sha256_file, write_json
 from dsflow.errors import UsageError
@@ -147,6 +148,11 @@ def check_family(where: str, root: Path) -> None:
         model_type = json.loads((root / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         raise UsageError(f"model.pretrained: {where}: config.json is unreadable") from None
+    refuse_other_family(where, model_type)
+
+
+def refuse_other_family(where: str, model_type: Any) -> None:
+    """One line unless `model_type` is a family dsflow trains (presets.FAMILIES)."""
     if model_type not in FAMILIES:
         raise UsageError(
             f"model.pretrained: {where} has model_type {model_type!r}; dsflow trains "
