@@ -394,6 +394,11 @@ def run_config(
     its first round that finished. `peaks` = (datasheet, measured) TFLOP/s: MFU and MFU of achievable."""
     config = CONFIGS[cname]
     fpt = flops_per_token(config)
+
+    def mfus(step_s: float) -> tuple:  # (tokens/s, MFU, MFU of achievable) at this step time
+        tps = MICRO * SEQ / step_s
+        return (tps, *(tps * fpt / (p * 1e12) if p else None for p in peaks))
+
     runs = results["runs"][cname] = {}
     for round_ in range(1, args.repeat + 1):
         for vname in args.variants.split(","):
@@ -409,12 +414,8 @@ def run_config(
             first = runs.setdefault(vname, {**r, "step_s_rounds": {}})
             first["step_s_rounds"][round_] = r["step_s"]
             first["step_s"] = statistics.median(first["step_s_rounds"].values())
-            first["tokens_per_s"] = MICRO * SEQ / first["step_s"]
-            first["mfu"], first["mfu_of_achievable"] = (
-                first["tokens_per_s"] * fpt / (p * 1e12) if p else None for p in peaks
-            )
-            tps = MICRO * SEQ / r["step_s"]  # this round's
-            mfu, achv = (tps * fpt / (p * 1e12) if p else None for p in peaks)
+            first["tokens_per_s"], first["mfu"], first["mfu_of_achievable"] = mfus(first["step_s"])
+            tps, mfu, achv = mfus(r["step_s"])  # this round's
             print(
                 f"  {name}: {tps:,.0f} tok/s, MFU {percent(mfu)} ({percent(achv)} of "
                 f"achievable), step {1e3 * r['step_s']:.1f} ms, peak {r['peak_gb']:.1f} GB, "

@@ -97,8 +97,9 @@ FRAMEWORK_OVERHEAD = Overhead(gpu_fixed_bytes=2**30, gpu_fraction=0.08, host_per
 # routing weights) in backward instead of saving them. Measured with saved_tensors_hooks on CPU
 # (`medium` widths, 3 layers, every fast path; bf16, seq 64 x micro 2): 29.64 MB saved against
 # 36.31 MB eager; the plan puts 30.6 MB of the eager count in the layers (the rest: embedding,
-# head, fused loss), so the layers keep 0.78. tests/test_plan.py holds the whole count within 5%. On an H200 the
-# compiled layers kept 0.70 to 0.73 (docs/performance.md): the plan errs high there.
+# head, fused loss), so the layers keep 0.78. tests/test_plan.py holds the whole count within
+# 5%. On an H200 the compiled layers kept 0.70 to 0.73 (docs/performance.md): the plan errs
+# high there.
 COMPILED_LAYERS = 0.78
 
 # DeepSpeed 0.19 defaults that dsflow's generated config does not set.
