@@ -4,20 +4,28 @@ import os
 import random
 import shutil
 import tracemalloc
+from contextlib import chdir
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
-from conftest import dsflow, update_params
-from dsflow.data import download, grammar, textfiles
-from dsflow.data.download import val_split
+from conftest import ROOT, dsflow, update_params
+from dsflow import params as params_mod
+from dsflow.data import download, grammar, raw, textfiles, tokenizer, tokenizing
+from dsflow.data.raw import val_split
 from dsflow.data.textfiles import FileSource
 from dsflow.errors import UsageError
 
 
 def read_split(repo, split):
-    return pq.read_table(repo / f"data/raw/{split}.parquet").to_pylist()
+    """The split's rows, as data/raw stores them or as the files it references say."""
+    path = repo / f"data/raw/{split}.parquet"
+    if path.exists():
+        return pq.read_table(path).to_pylist()
+    with chdir(repo):
+        return [{"text": t} for texts, _ in raw.batches(split) for t in texts]
 
 
 def test_builtin_download_manifest_and_split(prepared):
@@ -194,7 +202,7 @@ def lines_of_text(n: int) -> str:
 def file_docs(paths, split_by, chunk_bytes=8192, field="text") -> list[str]:
     cfg = {"paths": [str(p) for p in paths], "split_by": split_by}
     cfg.update(chunk_bytes=chunk_bytes, text_field=field)
-    return [d.decode() for docs, _ in FileSource(cfg).batches() for d in docs]
+    return [str(d, "utf-8") for docs, _ in FileSource(cfg).batches() for d in docs]
 
 
 def test_split_by_cuts_files_into_paragraphs_lines_or_chunks(tmp_path):
@@ -434,3 +442,92 @@ def test_chunks_move_on_through_bytes_that_start_no_character():
     spans, rest = textfiles.cut_chunks(data, 64, True)
     assert rest == len(data) and spans[-1][1] == len(data)
     assert all(end > start for start, end in spans)
+
+
+def mixed_corpus(folder):
+    """A big .txt, small .txt files, a .jsonl with blank lines and a .parquet with a null."""
+    folder.mkdir()
+    (folder / "a_big.txt").write_text(lines_of_text(1500))
+    for i in range(12):
+        (folder / f"b_small{i:02d}.txt").write_text(f"Small {i}.\n\n{lines_of_text(4 + i)}")
+    lines = [json.dumps({"text": lines_of_text(3 + i % 7)}) for i in range(60)]
+    (folder / "c.jsonl").write_text("\n".join(lines[:30]) + "\n\n" + "\n".join(lines[30:]) + "\n")
+    texts = [lines_of_text(2 + i % 5) for i in range(80)]
+    pq.write_table(pa.table({"text": texts[:40] + [None] + texts[40:]}), folder / "d.parquet")
+    return [str(folder / "*.txt"), str(folder / "c.jsonl"), str(folder / "d.parquet")]
+
+
+def in_process(repo, overlay):
+    """Validated params of `repo`'s params.yaml under `overlay`."""
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())
+    return params_mod.validate(params_mod.deep_merge(base, overlay))
+
+
+@pytest.mark.parametrize(
+    "split_by, max_docs", [("auto", None), ("paragraph", 400), ("line", 1111), ("chunk", 250)]
+)
+def test_referenced_files_give_what_a_copy_holds(tmp_path, monkeypatch, split_by, max_docs):
+    """The two stores of the files source: the same documents per split, in the same order,
+    also when a cap ends the corpus inside a part, and with parts and pieces far smaller than
+    the files (so pieces span parts, and big files many parts)."""
+    monkeypatch.setattr(textfiles, "BLOCK", 4096)
+    monkeypatch.setattr(textfiles, "BATCH_DOCS", 16)
+    monkeypatch.setattr(raw, "PIECE_BYTES", 10_000)
+    files = {"paths": mixed_corpus(tmp_path / "src"), "split_by": split_by, "chunk_bytes": 700}
+    got = {}
+    for store in ("copy", "reference"):
+        repo = tmp_path / store
+        repo.mkdir()
+        overlay = {"source": "files", "max_docs": max_docs, "files": {**files, "store": store}}
+        with chdir(repo):
+            download.run(in_process(repo, {"download": overlay}))
+        got[store] = {s: read_split(repo, s) for s in ("train", "val")}
+        manifest = json.loads((repo / "data/raw/manifest.json").read_text())
+        assert {s: manifest["splits"][s]["docs"] for s in got[store]} == {
+            s: len(got[store][s]) for s in got[store]
+        }
+    assert sorted((tmp_path / "reference/data/raw").iterdir()) == [
+        tmp_path / "reference/data/raw/manifest.json",
+        tmp_path / "reference/data/raw/parts.json",
+    ]
+    assert got["reference"] == got["copy"]
+    assert len(got["copy"]["val"]) > 5 and len(got["copy"]["train"]) > 100
+    if max_docs:
+        assert len(got["copy"]["train"]) + len(got["copy"]["val"]) == max_docs
+
+
+def test_tokens_from_referenced_files_match_a_copy_and_a_changed_file_is_named(tmp_path):
+    paths = mixed_corpus(tmp_path / "src")
+    tokens = {}
+    for store in ("copy", "reference"):
+        repo = tmp_path / store
+        repo.mkdir()
+        files = {"paths": paths, "store": store, "chunk_bytes": 700}
+        overlay = {
+            "download": {"source": "files", "max_docs": None, "val_fraction": 0.1, "files": files},
+            "tokenizer": {"sample_bytes": 100_000},  # a sample: rows must count the same
+            "tokenize": {"num_proc": 1},
+        }
+        params = in_process(repo, overlay)
+        with chdir(repo):
+            for stage in (download, tokenizer, tokenizing):
+                stage.run(params)
+        tokens[store] = {
+            s: pq.read_table(repo / f"data/tokens/{s}.parquet").to_pydict()
+            for s in ("train", "val")
+        }
+        tokens[store]["bpe"] = (repo / "data/tokenizer/tokenizer.json").read_bytes()
+    assert tokens["reference"] == tokens["copy"]
+    # One changed byte in a referenced file, and the next reader names the file.
+    big = tmp_path / "src/a_big.txt"
+    data = bytearray(big.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    big.write_bytes(bytes(data))
+    with chdir(tmp_path / "reference"), pytest.raises(UsageError) as err:
+        tokenizing.run(params)
+    assert str(err.value).startswith(f"{big}: changed since the download stage read it")
+    assert "rerun the download stage" in str(err.value)
+    assert not list((tmp_path / "reference/data").glob(".tokens.tmp*"))
+    big.unlink()
+    with chdir(tmp_path / "reference"), pytest.raises(UsageError, match="changed since"):
+        list(raw.batches("train"))

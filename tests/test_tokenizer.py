@@ -1,6 +1,7 @@
 import json
 import re
 import shutil
+from contextlib import chdir
 
 import pyarrow.parquet as pq
 from transformers import AutoTokenizer
@@ -55,21 +56,21 @@ def test_pretrained_tokenizer_is_copied(prepared, tmp_path):
     assert proc.returncode == 2 and "tokenizer.pretrained" in proc.stderr
 
 
-def sampled(path, fraction, seed, batch_size=4096):
-    sample = Sample(path, fraction, seed, batch_size)
+def sampled(fraction, seed, batch_size=4096):
+    sample = Sample(fraction, seed, batch_size)
     return [t for batch in sample for t in batch], sample
 
 
 def test_the_sample_is_seeded_and_independent_of_batching(prepared):
-    path = prepared / "data/raw/train.parquet"
-    every = pq.read_table(path).column("text").to_pylist()
-    a, sample = sampled(path, 0.3, seed=1)
-    assert sampled(path, 0.3, seed=1, batch_size=37)[0] == a
-    assert sampled(path, 0.3, seed=2)[0] != a
+    every = pq.read_table(prepared / "data/raw/train.parquet").column("text").to_pylist()
+    with chdir(prepared):
+        a, sample = sampled(0.3, seed=1)
+        assert sampled(0.3, seed=1, batch_size=37)[0] == a
+        assert sampled(0.3, seed=2)[0] != a
+        assert sampled(1.0, seed=1)[0] == every
     assert 0.2 < len(a) / len(every) < 0.4
     assert set(a) <= set(every) and sample.docs == len(a)
     assert sample.bytes == sum(len(t.encode()) for t in a)
-    assert sampled(path, 1.0, seed=1)[0] == every
 
 
 def test_sample_bytes_bounds_what_the_bpe_reads(prepared, tmp_path):

@@ -15,6 +15,7 @@ PRETRAINED_HASHES = Path("data/pretrained.hashes.json")
 RAW = Path("data/raw")
 RAW_PARTIAL = Path("data/raw.partial")  # a resumable hf download in progress
 MANIFEST = RAW / "manifest.json"
+RAW_PARTS = RAW / "parts.json"  # download.files.store reference: where the documents lie
 TOKENIZER = Path("data/tokenizer")
 TOKENS = Path("data/tokens")
 SHARDS = Path("data/shards")

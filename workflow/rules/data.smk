@@ -29,6 +29,7 @@ rule download:
             "data/download.py",
             "data/grammar.py",
             "data/hub.py",
+            "data/raw.py",
             "data/textfiles.py",
             "atomic.py",
             "errors.py",
@@ -48,7 +49,9 @@ rule download:
 rule tokenizer:
     input:
         code(
+            "data/raw.py",
             "data/shards.py",
+            "data/textfiles.py",
             "data/tokenizer.py",
             "model/build.py",
             "model/fp8.py",
@@ -73,7 +76,15 @@ rule tokenizer:
 
 rule tokenize:
     input:
-        code("data/tokenizing.py", "atomic.py", "errors.py", "paths.py", "progress.py"),
+        code(
+            "data/raw.py",
+            "data/textfiles.py",
+            "data/tokenizing.py",
+            "atomic.py",
+            "errors.py",
+            "paths.py",
+            "progress.py",
+        ),
         "data/raw",
         "data/tokenizer",
     output:

@@ -1,10 +1,13 @@
 """Stage `download`: documents from a source -> data/raw/{train,val}.parquet + manifest.json.
 
-Each document goes to val when a hash of its text falls below `val_fraction`, so the split does not
-depend on order or count, and duplicate texts never straddle train and val. The hash is xxh3-64:
-the split needs a well-mixed function of the text, not a cryptographic one, and sha256 cost as
-much CPU as everything but the compression. Documents travel in batches of UTF-8 bytes from the
-source to the writer, so a document costs a few list operations, not a trip through dicts.
+Or, for the files source with `download.files.store: reference`, data/raw/parts.json instead of
+the Parquet files: where in the files the documents lie, with each range's hash, so the later
+stages read the files themselves (`dsflow.data.raw`) and a 100 GB corpus is not copied.
+
+Each document goes to val when a hash of its text falls below `val_fraction` (`raw.val_mask`), so
+the split does not depend on order or count, and duplicate texts never straddle train and val.
+Documents travel in batches of UTF-8 bytes from the source to the writer, so a document costs a
+few list operations, not a trip through dicts.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from xxhash import xxh3_64_intdigest
 
 from dsflow.atomic import atomic_dir, sha256_file, write_json
 from dsflow.data import grammar, hub
+from dsflow.data.raw import val_mask
 from dsflow.data.textfiles import FileSource
 from dsflow.errors import UsageError
-from dsflow.paths import RAW, RAW_PARTIAL
+from dsflow.paths import RAW, RAW_PARTIAL, RAW_PARTS
 from dsflow.progress import bar, log
 
 SPLITS = ("train", "val")
@@ -36,16 +39,6 @@ ROW_GROUP_BYTES = 8 << 20
 BUILTIN_BATCH = 1024
 # Names the split's hash in the hf source's resume key: parts split by another hash start over.
 SPLIT_HASH = "xxh3_64"
-
-
-def val_split(text: str, val_fraction: float) -> bool:
-    return val_mask([text.encode("utf-8")], val_fraction)[0]
-
-
-def val_mask(docs: list[bytes], val_fraction: float) -> list[bool]:
-    """Which documents go to val: those whose 64-bit hash falls below val_fraction * 2**64."""
-    limit = val_fraction * 2**64
-    return [xxh3_64_intdigest(d) < limit for d in docs]
 
 
 def builtin_batches(cfg: dict, seed: int) -> Iterator[tuple[list[bytes], dict, list[str]]]:
@@ -142,7 +135,8 @@ class SplitWriter:
             sizes = accumulate(map(len, docs[start : start + room]), initial=self.buffered[split])
             sizes = list(sizes)
             n = min(bisect.bisect_left(sizes, ROW_GROUP_BYTES, 1), len(sizes) - 1)
-            columns["text"] += docs[start : start + n]
+            # Copies: a file's documents may be views of the block they were cut from.
+            columns["text"] += map(bytes, docs[start : start + n])
             for name in self.extra:
                 columns[name] += extra[name][start : start + n]
             self.buffered[split] = sizes[n]
@@ -185,16 +179,17 @@ class SplitWriter:
                 w.close()
 
 
-def write_batches(batches, cfg: dict, writer: SplitWriter, tally: Tally) -> None:
+def write_batches(batches, cfg: dict, writer: SplitWriter | None, tally: Tally) -> None:
     """The builtin and files sources: (documents, extra columns, origins) batches of non-blank
-    documents, each document to its split, up to the caps."""
+    documents, each document to its split, up to the caps; counted only, with no writer."""
     for docs, extra, origins in batches:
         sizes = list(map(len, docs))
         n = tally.admits(cfg, sizes)
         to_val = val_mask(docs[:n], cfg["val_fraction"])
         for split, mask in (("train", [not v for v in to_val]), ("val", to_val)):
             columns = {k: list(compress(v, mask)) for k, v in extra.items()}
-            writer.add(split, list(compress(docs, mask)), columns)
+            if writer is not None:
+                writer.add(split, list(compress(docs, mask)), columns)
             tally.add(
                 split,
                 list(compress(sizes, mask)),
@@ -274,7 +269,21 @@ def check_splits(cfg: dict, tally: Tally) -> None:
         raise UsageError(f"download: the val split cannot be a fair sample: {too_long}")
 
 
-def build_manifest(params: dict, tally: Tally, writer: SplitWriter, files: list[str]) -> dict:
+def referenced_parts(source: FileSource, admitted: int) -> list[list]:
+    """[file number, start, end, hash, documents] of the parts that hold the first `admitted`
+    documents: the last one's count may stop short of what the range holds."""
+    parts, left = [], admitted
+    for number, start, end, docs, digest in source.parts:
+        if left <= 0:
+            break
+        parts.append([number, start, end, f"{digest:016x}", min(docs, left)])
+        left -= docs
+    return parts
+
+
+def build_manifest(params: dict, tally: Tally, outputs: dict, files: list[str]) -> dict:
+    """What data/raw holds; `outputs` maps a split to its Parquet file, or is empty when the
+    files are referenced."""
     cfg = params["download"]
     source = cfg["source"]
     manifest = {"source": source, "val_fraction": cfg["val_fraction"], "splits": {}}
@@ -284,16 +293,13 @@ def build_manifest(params: dict, tally: Tally, writer: SplitWriter, files: list[
         manifest["hf"] = cfg["hf"]
     else:
         manifest["files"] = files
-        manifest["split_by"] = cfg["files"]["split_by"]
-        manifest["chunk_bytes"] = cfg["files"]["chunk_bytes"]
+        for key in ("split_by", "chunk_bytes", "text_field", "store"):
+            manifest[key] = cfg["files"][key]
     for split in SPLITS:
         st = tally.stats[split]
-        entry = {
-            "file": f"{split}.parquet",
-            "docs": st["docs"],
-            "bytes": st["bytes"],
-            "sha256": sha256_file(writer.paths[split]),
-        }
+        entry = {"docs": st["docs"], "bytes": st["bytes"]}
+        if split in outputs:
+            entry.update(file=outputs[split].name, sha256=sha256_file(outputs[split]))
         if source == "builtin":
             # Exact: the grammar is unambiguous, so -logprob is each text's information.
             entry["entropy_bits_per_byte"] = st["nats"] / math.log(2) / st["bytes"]
@@ -304,45 +310,62 @@ def build_manifest(params: dict, tally: Tally, writer: SplitWriter, files: list[
     return manifest
 
 
-def run(params: dict) -> None:
+def write_copy(params: dict, file_source: FileSource | None, tmp: Path):
+    """Documents into tmp/{train,val}.parquet: (tally, the Parquet files, the hf partial)."""
     cfg = params["download"]
     source = cfg["source"]
-    fields = [("text", pa.string())]
-    files: list[str] = []
-    if source == "builtin":
-        fields.append(("logprob", pa.float64()))
-    elif source == "files":
-        file_source = FileSource(cfg["files"])
-        files = file_source.paths
+    fields = [("text", pa.string())] + ([("logprob", pa.float64())] if source == "builtin" else [])
+    # Dictionary pages never pay for free text; the builtin corpus keeps them, and its bytes.
+    writer = SplitWriter(tmp, pa.schema(fields), dictionary=source == "builtin")
     partial = None
+    try:
+        if source == "hf":
+            partial, tally = hf_download(cfg)
+            for split in SPLITS:
+                for texts in partial.texts(split):
+                    writer.add(split, [t.encode("utf-8") for t in texts])
+        else:
+            tally = Tally()
+            batches = (
+                builtin_batches(cfg, params["seed"])
+                if source == "builtin"
+                else ((docs, {}, origins) for docs, origins in file_source.batches())
+            )
+            write_batches(batches, cfg, writer, tally)
+    finally:
+        writer.close()
+    return tally, writer.paths, partial
+
+
+def write_reference(cfg: dict, file_source: FileSource, tmp: Path) -> Tally:
+    """The files' documents read, checked and counted; where they lie -> tmp/parts.json."""
+    tally = Tally()
+    batches = ((docs, {}, origins) for docs, origins in file_source.batches())
+    write_batches(batches, cfg, None, tally)
+    write_json(tmp / RAW_PARTS.name, {"parts": referenced_parts(file_source, tally.docs)})
+    return tally
+
+
+def run(params: dict) -> None:
+    cfg = params["download"]
+    file_source = FileSource(cfg["files"]) if cfg["source"] == "files" else None
+    reference = file_source is not None and cfg["files"]["store"] == "reference"
     with atomic_dir(RAW) as tmp:
-        # Dictionary pages never pay for free text; the builtin corpus keeps them, and its bytes.
-        writer = SplitWriter(tmp, pa.schema(fields), dictionary=source == "builtin")
-        try:
-            if source == "hf":
-                partial, tally = hf_download(cfg)
-                for split in SPLITS:
-                    for texts in partial.texts(split):
-                        writer.add(split, [t.encode("utf-8") for t in texts])
-            else:
-                tally = Tally()
-                batches = (
-                    builtin_batches(cfg, params["seed"])
-                    if source == "builtin"
-                    else ((docs, {}, origins) for docs, origins in file_source.batches())
-                )
-                write_batches(batches, cfg, writer, tally)
-        finally:
-            writer.close()
+        if reference:
+            tally, outputs, partial = write_reference(cfg, file_source, tmp), {}, None
+        else:
+            tally, outputs, partial = write_copy(params, file_source, tmp)
         check_splits(cfg, tally)
-        write_json(tmp / "manifest.json", build_manifest(params, tally, writer, files))
+        files = file_source.paths if file_source else []
+        write_json(tmp / "manifest.json", build_manifest(params, tally, outputs, files))
     if partial is not None:
         shutil.rmtree(partial.folder)
     log.info(
-        "%d documents, %.1f MB -> %s (train %d, val %d)",
+        "%d documents, %.1f MB -> %s (train %d, val %d)%s",
         tally.docs,
         tally.bytes / 1e6,
         RAW,
         tally.stats["train"]["docs"],
         tally.stats["val"]["docs"],
+        ", as references to the files" if reference else "",
     )

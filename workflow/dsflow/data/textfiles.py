@@ -12,20 +12,28 @@ of UTF-8 bytes, validated and cleaned, so the writer never converts them back fr
 - `line`: each line without its line ending.
 - `chunk`: pieces of at most `chunk_bytes` bytes that end at a line end; a longer line is cut at a
   character boundary. The pieces of a file concatenate back to the file exactly.
+
+A file's documents come in parts, each a range of the file (bytes of a .txt or .jsonl, rows of a
+.parquet) holding whole documents, with a hash of what the range holds. Cutting a part's range
+again gives the same documents (`read_part`), so data/raw may keep parts instead of documents,
+and a later reader knows when the file changed under it.
 """
 
 from __future__ import annotations
 
 import codecs
 import glob
+import io
 import json
 import os
 import re
 import stat
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from xxhash import xxh3_64, xxh3_64_intdigest
 
 from dsflow.errors import UsageError
 from dsflow.progress import bar
@@ -40,6 +48,18 @@ SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 # A newline, then one or more lines holding only whitespace: the end of a paragraph.
 PARAGRAPH_BREAK = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
 UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+# The first byte that is not ASCII whitespace: an ASCII one makes a document non-blank at once.
+NOT_SPACE = re.compile(rb"[^ \t\n\r\f\v]")
+
+
+class Part(NamedTuple):
+    """Documents of one file range: [start, end) in bytes (.txt, .jsonl) or rows (.parquet), and
+    xxh3-64 of what the range holds (its bytes; a .parquet's texts, each after its length)."""
+
+    docs: list[bytes]
+    start: int
+    end: int
+    digest: int
 
 
 def expand_paths(patterns: list[str]) -> list[tuple[str, int]]:
@@ -159,14 +179,14 @@ def cut(data: bytes, split_by: str, chunk_bytes: int, final: bool, scan: int = 0
     return cut_separated(data, split_by, final, scan)
 
 
-def resume_at(rest: bytes, split_by: str) -> int:
-    """Where the separator search resumes once `rest`, the unfinished document, gets the next
-    block: it holds no line end (line), or no blank line, though one may start at its last
-    line end (paragraph)."""
+def resume_at(data: bytes, keep: int, split_by: str) -> int:
+    """Where the separator search resumes once data[keep:], the unfinished document, is read
+    again with the next block: it holds no line end (line), or no blank line, though one may
+    start at its last line end (paragraph)."""
     if split_by == "line":
-        return len(rest)
+        return len(data) - keep
     if split_by == "paragraph":
-        return max(rest.rfind(b"\n"), 0)
+        return max(data.rfind(b"\n", keep) - keep, 0)
     return 0
 
 
@@ -179,25 +199,45 @@ def clean(text: str, split_by: str) -> str:
     return text
 
 
-def documents(path: str, data: bytes, spans, base: int, split_by: str) -> list[bytes]:
+def blank(data: bytes, start: int, end: int) -> bool:
+    """Whether data[start:end], valid UTF-8, holds only whitespace (Unicode's, as str.isspace)."""
+    if end <= start:
+        return True
+    if 32 < data[start] < 127:  # most documents start with a visible ASCII character
+        return False
+    m = NOT_SPACE.search(data, start, end)
+    if m is None:
+        return True
+    return data[m.start()] >= 0x80 and data[m.start() : end].decode("utf-8").isspace()
+
+
+def documents(path: str, data: bytes, spans, base: int, split_by: str) -> list:
     """The non-blank documents of `data`'s spans as cleaned UTF-8 bytes; `base` is the file
-    offset of data[0], for the messages. A piece that cleaning leaves as it is stays the same
-    bytes object: no re-encoding."""
+    offset of data[0], for the messages. The spans' bytes are checked as UTF-8 at once; a
+    verbatim piece (chunk, file) is a memoryview of `data`, not a copy: most are only hashed
+    and counted, and a writer that keeps one copies it (`bytes(doc)`)."""
+    if not spans:
+        return []
+    lo, hi = spans[0][0], spans[-1][1]
+    if not data.isascii():
+        decode(path, data[lo:hi], base + lo)
     docs = []
+    view = memoryview(data)
     for start, end in spans:
         if end - start > MAX_DOC_BYTES:
             raise too_long(path, split_by, f"at byte {base + start}")
-        piece = data[start:end]
-        text = decode(path, piece, base + start)
+        if split_by not in ("paragraph", "line"):
+            if not blank(data, start, end):
+                docs.append(view[start:end])
+            continue
+        text = data[start:end].decode("utf-8")
         kept = clean(text, split_by)
         if kept and not kept.isspace():
-            docs.append(piece if len(kept) == len(text) else kept.encode("utf-8"))
+            docs.append(kept.encode("utf-8"))
     return docs
 
 
-def txt_batches(
-    path: str, size: int, split_by: str, chunk_bytes: int, progress
-) -> Iterator[list[bytes]]:
+def txt_batches(path: str, size: int, split_by: str, chunk_bytes: int, progress) -> Iterator[Part]:
     """The documents of one .txt file, a block at a time. Each block is searched once: the
     unfinished rest carried to the next block is at most MAX_DOC_BYTES, and its search resumes
     where it stopped, so time is linear in the file and memory bounded by BLOCK + MAX_DOC_BYTES."""
@@ -206,45 +246,60 @@ def txt_batches(
     with open(path, "rb") as f:
         # Never more than the file holds: a small file's bytes become its document, and a read
         # of BLOCK would carve each from an 8 MB allocation, scattering the heap.
-        data = f.read(size if split_by == "file" else min(size, BLOCK))
+        want = size if split_by == "file" else min(size, BLOCK)
+        data = f.read(want)
         check_text_start(path, data)
         base, scan = 0, 0  # the file offset of data[0]; where the separator search resumes
         while True:
-            block = f.read(BLOCK) if base + len(data) < size else b""
-            final = not block
+            final = len(data) < want or base + len(data) >= size
             spans, keep = cut(data, split_by, chunk_bytes, final, scan)
-            yield documents(path, data, spans, base, split_by)
+            docs = documents(path, data, spans, base, split_by)
+            yield Part(docs, base, base + keep, xxh3_64_intdigest(memoryview(data)[:keep]))
             progress.update(keep)
             if final:
                 return
-            rest = data[keep:]
-            if len(rest) > MAX_DOC_BYTES:
+            if len(data) - keep > MAX_DOC_BYTES:
                 raise too_long(path, split_by, f"at byte {base + keep}")
+            # The unfinished rest is read again with the next block, from the page cache: one
+            # copy of it, where joining it to the block would copy the block as well.
+            scan = resume_at(data, keep, split_by)
             base += keep
-            scan = resume_at(rest, split_by)
-            data = rest + block
+            want = len(data) - keep + BLOCK
+            f.seek(base)
+            data = f.read(want)
 
 
-def jsonl_records(path: str, field: str, progress) -> Iterator[tuple[str, str]]:
-    """(where, text) of each record of a .jsonl file."""
-    with open(path, "rb") as f:
-        offset = 0
-        for lineno, line in enumerate(f, 1):
-            if lineno == 1:
-                check_text_start(path, line)
-            text = decode(path, line, offset)
-            offset += len(line)
-            progress.update(len(line))
-            if not text.strip():
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise UsageError(
-                    f"{path}: line {lineno}: not valid JSON ({e.msg}); .jsonl holds one JSON "
-                    "object per line"
-                ) from None
-            yield f"line {lineno}", record_text(path, record, field, f"line {lineno}")
+class Record(NamedTuple):
+    """One record of a .jsonl or .parquet file: where it is (for messages), its text (None for
+    a blank line or a null), the bytes its part's hash takes in, and where the next one starts."""
+
+    where: str
+    text: str | None
+    hashed: bytes
+    end: int
+
+
+def jsonl_records(path: str, field: str, lines, offset: int = 0):
+    """The records of .jsonl `lines`, an iterable of bytes lines from byte `offset` on (line
+    numbers count from there)."""
+    for lineno, line in enumerate(lines, 1):
+        if offset == 0:
+            check_text_start(path, line)
+        text = decode(path, line, offset)
+        offset += len(line)
+        if not text.strip():
+            yield Record(f"line {lineno}", None, line, offset)
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UsageError(
+                f"{path}: line {lineno}: not valid JSON ({e.msg}); .jsonl holds one JSON "
+                "object per line"
+            ) from None
+        yield Record(
+            f"line {lineno}", record_text(path, record, field, f"line {lineno}"), line, offset
+        )
 
 
 def record_text(path: str, record, field: str, where: str) -> str:
@@ -260,8 +315,8 @@ def record_text(path: str, record, field: str, where: str) -> str:
     return text
 
 
-def parquet_records(path: str, field: str, progress) -> Iterator[tuple[str, str]]:
-    """(where, text) of each record of a .parquet file."""
+def text_column(path: str, field: str) -> pq.ParquetFile:
+    """The .parquet file, once `field` is known to be a text column of it."""
     pf = pq.ParquetFile(path)
     schema = pf.schema_arrow
     if field not in schema.names:
@@ -272,40 +327,109 @@ def parquet_records(path: str, field: str, progress) -> Iterator[tuple[str, str]
     kind = schema.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise UsageError(f"{path}: field {field!r} holds {kind}, not text")
+    return pf
+
+
+def parquet_records(path: str, field: str, progress=None, rows: tuple[int, int] | None = None):
+    """The records of a .parquet file, or of its rows [lo, hi). A text is hashed after its
+    length, so moving a character between neighbours changes the hash; a null as 8 x 0xff."""
+    pf = text_column(path, field)
     per_group = os.path.getsize(path) // max(pf.num_row_groups, 1)
-    row = 0
+    lo, hi = rows or (0, pf.metadata.num_rows)
+    first = 0
     for group in range(pf.num_row_groups):
-        for batch in pf.iter_batches(batch_size=1024, row_groups=[group], columns=[field]):
-            for text in batch.column(0).to_pylist():
-                row += 1
-                if text is not None:
-                    yield f"row {row}", text
-        progress.update(per_group)
+        last = first + pf.metadata.row_group(group).num_rows
+        if first < hi and last > lo:
+            row = first
+            for batch in pf.iter_batches(batch_size=1024, row_groups=[group], columns=[field]):
+                for text in batch.column(0).to_pylist():
+                    row += 1
+                    if lo < row <= hi:
+                        yield Record(f"row {row}", text, hashed_text(text), row)
+        first = last
+        if progress is not None:
+            progress.update(per_group)
 
 
-def record_batches(path: str, records, split_by: str, chunk_bytes: int) -> Iterator[list[bytes]]:
-    """The records' documents (a record is one under auto and file), at most BATCH_DOCS
-    documents or BLOCK bytes a batch."""
+def hashed_text(text: str | None) -> bytes:
+    if text is None:
+        return b"\xff" * 8
+    data = text.encode("utf-8")
+    return len(data).to_bytes(8, "little") + data
+
+
+def record_documents(path: str, record: Record, split_by: str, chunk_bytes: int) -> list[bytes]:
+    """A record's documents (a record is one under auto and file)."""
+    data = record.text.encode("utf-8")
+    if split_by in ("auto", "file"):
+        spans = [(0, len(data))]
+    else:
+        spans, _ = cut(data, split_by, chunk_bytes, final=True)
+    if any(end - start > MAX_DOC_BYTES for start, end in spans):
+        raise too_long(path, split_by, f"in the record at {record.where}")
+    return documents(path, data, spans, 0, split_by)
+
+
+def record_batches(path: str, records, split_by: str, chunk_bytes: int) -> Iterator[Part]:
+    """The records' documents in parts of at most BATCH_DOCS documents or BLOCK bytes; a part's
+    hash takes in its records' `hashed` bytes."""
     docs: list[bytes] = []
-    size = 0
-    for where, text in records:
-        data = text.encode("utf-8")
-        if split_by in ("auto", "file"):
-            spans = [(0, len(data))]
-        else:
-            spans, _ = cut(data, split_by, chunk_bytes, final=True)
-        if any(end - start > MAX_DOC_BYTES for start, end in spans):
-            raise too_long(path, split_by, f"in the record at {where}")
-        docs += documents(path, data, spans, 0, split_by)
-        size += len(data)
+    size, start, end = 0, 0, 0
+    digest = xxh3_64()
+    for record in records:
+        digest.update(record.hashed)
+        end = record.end
+        if record.text is None:
+            continue
+        docs += record_documents(path, record, split_by, chunk_bytes)
+        size += len(record.hashed)
         if len(docs) >= BATCH_DOCS or size >= BLOCK:
-            yield docs
-            docs, size = [], 0
-    yield docs
+            yield Part(docs, start, end, digest.intdigest())
+            docs, size, start = [], 0, end
+            digest = xxh3_64()
+    yield Part(docs, start, end, digest.intdigest())
+
+
+def changed(path: str, unit: str, start: int, end: int) -> UsageError:
+    return UsageError(
+        f"{path}: changed since the download stage read it ({unit} {start} to {end} differ); "
+        "rerun the download stage (dvc repro -f -s download, or snakemake -f download)"
+    )
+
+
+def read_part(path: str, ext: str, start: int, end: int, digest: int, cfg: dict) -> list[bytes]:
+    """The documents of a part the download stage found at [start, end) of `path` with hash
+    `digest`, cut as the `download.files` settings `cfg` say; a file that changed since (or went
+    away) is an error that says to rerun the download stage."""
+    split_by, chunk_bytes = cfg["split_by"], cfg["chunk_bytes"]
+    unit = "rows" if ext == ".parquet" else "bytes"
+    try:
+        if ext == ".parquet":
+            records = list(parquet_records(path, cfg["text_field"], rows=(start, end)))
+            hashed = b"".join(r.hashed for r in records)
+        else:
+            with open(path, "rb") as f:
+                f.seek(start)
+                hashed = f.read(end - start)
+    except (OSError, pa.ArrowException, UsageError):
+        raise changed(path, unit, start, end) from None
+    if xxh3_64_intdigest(hashed) != digest:
+        raise changed(path, unit, start, end)
+    if ext == ".txt":
+        spans, _ = cut(hashed, split_by, chunk_bytes, final=True)
+        return documents(path, hashed, spans, start, split_by)
+    if ext != ".parquet":
+        records = jsonl_records(path, cfg["text_field"], io.BytesIO(hashed), start)
+    docs: list[bytes] = []
+    for record in records:
+        if record.text is not None:
+            docs += record_documents(path, record, split_by, chunk_bytes)
+    return docs
 
 
 class FileSource:
-    """Documents of the listed files, in the order of `download.files.paths` (globs sorted)."""
+    """Documents of the listed files, in the order of `download.files.paths` (globs sorted).
+    `parts` lists (file number, start, end, documents, hash) of every part read so far."""
 
     def __init__(self, cfg: dict):
         self.split_by = cfg["split_by"]
@@ -315,16 +439,20 @@ class FileSource:
         self.paths = [path for path, _ in self.files]
         self.kinds = [check_file(p) for p in self.paths]
         self.total = sum(size for _, size in self.files)
+        self.parts: list[tuple[int, int, int, int, int]] = []
 
-    def file_batches(self, path: str, size: int, ext: str, progress) -> Iterator[list[bytes]]:
+    def file_parts(self, path: str, size: int, ext: str, progress) -> Iterator[Part]:
         if ext == ".txt":
-            return txt_batches(path, size, self.split_by, self.chunk_bytes, progress)
-        records = (
-            parquet_records(path, self.field, progress)
-            if ext == ".parquet"
-            else jsonl_records(path, self.field, progress)
-        )
-        return record_batches(path, records, self.split_by, self.chunk_bytes)
+            yield from txt_batches(path, size, self.split_by, self.chunk_bytes, progress)
+        elif ext == ".parquet":
+            records = parquet_records(path, self.field, progress)
+            yield from record_batches(path, records, self.split_by, self.chunk_bytes)
+        else:
+            with open(path, "rb") as f:
+                records = jsonl_records(path, self.field, f)
+                for part in record_batches(path, records, self.split_by, self.chunk_bytes):
+                    progress.update(part.end - part.start)
+                    yield part
 
     def batches(self) -> Iterator[tuple[list[bytes], list[str]]]:
         """(documents, the file each comes from): non-blank, as UTF-8 bytes, in file order,
@@ -334,14 +462,19 @@ class FileSource:
         origins: list[str] = []
         held = 0
         with bar(desc="download", total=self.total, unit="B") as progress:
-            for (path, size), ext in zip(self.files, self.kinds, strict=True):
+            for number, ((path, size), ext) in enumerate(zip(self.files, self.kinds, strict=True)):
                 found = False
                 try:
-                    for part in self.file_batches(path, size, ext, progress):
-                        found = found or bool(part)
-                        docs += part
-                        origins += [path] * len(part)
-                        held += sum(map(len, part))
+                    for part in self.file_parts(path, size, ext, progress):
+                        if not part.docs:
+                            continue
+                        found = True
+                        self.parts.append(
+                            (number, part.start, part.end, len(part.docs), part.digest)
+                        )
+                        docs += part.docs
+                        origins += [path] * len(part.docs)
+                        held += sum(map(len, part.docs))
                         if len(docs) >= BATCH_DOCS or held >= BLOCK:
                             yield docs, origins
                             docs, origins, held = [], [], 0

@@ -6,28 +6,28 @@ with `model.pretrained` set and no `tokenizer.pretrained` the checkpoint's own t
 (from the folder the pretrained stage resolved). A tokenizer for a checkpoint must fit it: every
 token id below the checkpoint's vocab_size.
 
-The BPE trains on a sample of about `tokenizer.sample_bytes` bytes of the train split: document i
-is in it when a hash of (seed, i) falls below sample_bytes / the split's bytes. So the same seed
-and data give the same sample, its memory does not grow with the corpus, and a split smaller than
-sample_bytes trains on every document.
+The BPE trains on a sample of about `tokenizer.sample_bytes` bytes of the train split, read
+through `dsflow.data.raw` whichever way data/raw stores it: document i is in it when a hash of
+(seed, i) falls below sample_bytes / the split's bytes. So the same seed and data give the same
+sample, its memory does not grow with the corpus, and a split smaller than sample_bytes trains on
+every document.
 """
 
 from __future__ import annotations
 
 import json
+from itertools import compress
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from dsflow.atomic import atomic_dir
+from dsflow.data import raw
 from dsflow.data.shards import splitmix64
 from dsflow.errors import UsageError
 from dsflow.model import source
-from dsflow.paths import MANIFEST, RAW, TOKENIZER
+from dsflow.paths import TOKENIZER
 from dsflow.progress import bar, log
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -40,10 +40,10 @@ SAMPLE_SALT = 0x746F6B656E697A65  # keeps the sample apart from other uses of th
 
 
 class Sample:
-    """Batches of the sampled texts of a parquet split; counts what it gave."""
+    """Batches of the sampled texts of the train split; counts what it gave."""
 
-    def __init__(self, path: Path, fraction: float, seed: int, batch_size: int = 1024):
-        self.path, self.batch_size = path, batch_size
+    def __init__(self, fraction: float, seed: int, batch_size: int = 1024):
+        self.batch_size = batch_size
         self.fraction = fraction
         self.key = splitmix64(np.uint64(seed) ^ np.uint64(SAMPLE_SALT))
         self.docs = self.bytes = 0
@@ -52,16 +52,16 @@ class Sample:
         # Compared in [0, 2**64): every document when the fraction is 1.
         threshold = np.uint64(min(int(self.fraction * 2**64), 2**64 - 1))
         row = 0
-        parquet = pq.ParquetFile(self.path)
-        for batch in parquet.iter_batches(batch_size=self.batch_size, columns=["text"]):
-            texts = batch.column(0)
+        for texts, sizes in raw.batches("train", self.batch_size):
+            n = len(texts)
             if self.fraction < 1:
-                rows = np.arange(row, row + len(texts), dtype=np.uint64)
-                texts = texts.filter(pa.array(splitmix64(rows ^ self.key) < threshold))
-            row += batch.num_rows
+                rows = np.arange(row, row + n, dtype=np.uint64)
+                keep = splitmix64(rows ^ self.key) < threshold
+                texts, sizes = list(compress(texts, keep)), sizes[keep]
+            row += n
             self.docs += len(texts)
-            self.bytes += pc.sum(pc.binary_length(texts)).as_py() or 0
-            yield texts.to_pylist()
+            self.bytes += int(sizes.sum())
+            yield texts
 
 
 def check_vocab_size(vocab_size: int) -> None:
@@ -170,14 +170,12 @@ def check_fits_checkpoint(tok, model: dict) -> None:
         )
 
 
-def train_on_sample(cfg: dict, seed: int, train_path: Path):
+def train_on_sample(cfg: dict, seed: int, split: dict):
+    """A BPE trained on a sample of the train split, whose manifest entry is `split`."""
     check_vocab_size(cfg["vocab_size"])
-    if not MANIFEST.exists():
-        raise UsageError(f"{MANIFEST}: missing; run the download stage first")
-    split = json.loads(MANIFEST.read_text())["splits"]["train"]
     limit = cfg["sample_bytes"]
     fraction = 1.0 if limit is None or limit >= split["bytes"] else limit / split["bytes"]
-    sample = Sample(train_path, fraction, seed)
+    sample = Sample(fraction, seed)
     log.info(
         "training byte-level BPE, vocab %d, on %s of %d documents (%.1f MB; "
         "tokenizer.sample_bytes %s, seed %d)",
@@ -196,9 +194,8 @@ def train_on_sample(cfg: dict, seed: int, train_path: Path):
 
 def run(params: dict) -> None:
     cfg = params["tokenizer"]
-    train_path = RAW / "train.parquet"
-    if not train_path.exists():
-        raise UsageError(f"{train_path}: missing; run the download stage first")
+    meta = raw.manifest()
+    raw.pieces(meta, "train")  # says what is missing before any work
     model = params["model"]
     if cfg["pretrained"]:
         tok = load_pretrained(cfg["pretrained"])
@@ -206,7 +203,7 @@ def run(params: dict) -> None:
         log.info("the tokenizer of model.pretrained %s", model["pretrained"])
         tok = load_pretrained(str(source.folder(model)), key="model.pretrained")
     else:
-        tok = train_on_sample(cfg, params["seed"], train_path)
+        tok = train_on_sample(cfg, params["seed"], meta["splits"]["train"])
     if model["pretrained"]:
         check_fits_checkpoint(tok, model)
     with atomic_dir(TOKENIZER) as tmp:

@@ -2,10 +2,11 @@
 
 Each row is one document: its ids as the tokenizer encodes it with its special tokens (dsflow's
 BPE and DeepSeek's tokenizers put BOS first), then EOS, and its UTF-8 byte count (bits-per-byte
-needs the bytes behind every token). A task is one row group of the raw split; `tokenize.num_proc`
-single-threaded worker processes encode tasks, and the stage writes their results in row-group
+needs the bytes behind every token). A task is one piece of the raw split (`dsflow.data.raw`: a
+row group of its Parquet file, or ranges of the referenced files); `tokenize.num_proc`
+single-threaded worker processes encode tasks, and the stage writes their results in piece
 order as they arrive, with at most two tasks per worker in flight. So memory is bounded by the
-row group, not the corpus, and the output does not depend on the number of processes. With
+piece, not the corpus, and the output does not depend on the number of processes. With
 num_proc 1 the stage encodes in its own process.
 
 The file is `tokenizing.py`, not `tokenize.py`, so it never shadows the standard library's module.
@@ -21,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
 from dsflow.atomic import atomic_dir, write_json
+from dsflow.data import raw
 from dsflow.errors import UsageError
-from dsflow.paths import RAW, TOKENIZER, TOKENS
+from dsflow.paths import TOKENIZER, TOKENS
 from dsflow.progress import bar, log
 
 SPLITS = ("train", "val")
@@ -64,24 +65,14 @@ def arrow(data: np.ndarray, kind: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(kind, len(data), [None, pa.py_buffer(data)])
 
 
-def values(array: pa.Array, dtype) -> np.ndarray:
-    """The values of a null-free primitive Arrow array as numpy, over the same memory."""
-    return np.frombuffer(array.buffers()[1] or b"", dtype=dtype)[
-        array.offset : array.offset + len(array)
-    ]
-
-
-def encode_row_group(src: str, group: int, batch_size: int) -> tuple:
-    """(flat ids, token counts, byte counts) of one row group, encoded in bounded batches."""
-    parquet = pq.ParquetFile(src)
+def encode_piece(piece: tuple, batch_size: int) -> tuple:
+    """(flat ids, token counts, byte counts) of one piece, encoded in bounded batches."""
     parts, counts, sizes = [], [], []
-    for batch in parquet.iter_batches(batch_size=batch_size, row_groups=[group], columns=["text"]):
-        texts = batch.column(0)
-        n_bytes = values(pc.binary_length(texts).cast(pa.int64()), np.int64)
+    for texts, n_bytes in raw.read_piece(piece, batch_size):
         # Cut where the running byte count crosses a multiple of ENCODE_BYTES.
         cuts = np.flatnonzero(np.diff(np.cumsum(n_bytes) // ENCODE_BYTES)) + 1
         for lo, hi in zip([0, *cuts], [*cuts, len(texts)], strict=True):
-            flat, count = encode_texts(texts.slice(lo, hi - lo).to_pylist())
+            flat, count = encode_texts(texts[lo:hi])
             parts.append(flat)
             counts.append(count)
         sizes.append(n_bytes)
@@ -90,35 +81,35 @@ def encode_row_group(src: str, group: int, batch_size: int) -> tuple:
     return np.concatenate(parts), np.concatenate(counts), np.concatenate(sizes)
 
 
-def row_group_results(src: Path, cfg: dict, tokenizer_json: str, eos_id: int):
-    """Each row group's encoding, in order, from `num_proc` processes."""
-    groups = range(pq.ParquetFile(src).num_row_groups)
-    args = [(str(src), g, cfg["batch_size"]) for g in groups]
+def piece_results(pieces: list, cfg: dict, tokenizer_json: str, eos_id: int):
+    """Each piece's encoding, in order, from `num_proc` processes."""
+    args = [(piece, cfg["batch_size"]) for piece in pieces]
     if cfg["num_proc"] == 1:
         init_worker(tokenizer_json, eos_id)
-        yield from (encode_row_group(*a) for a in args)
+        yield from (encode_piece(*a) for a in args)
         return
     # spawn: the parent holds Arrow's threads, which a fork would copy mid-lock.
     ctx = mp.get_context("spawn")
     with ctx.Pool(cfg["num_proc"], init_worker, (tokenizer_json, eos_id)) as pool:
         pending: deque = deque()
         for a in args:
-            pending.append(pool.apply_async(encode_row_group, a))
+            pending.append(pool.apply_async(encode_piece, a))
             if len(pending) >= 2 * cfg["num_proc"]:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
 
 
-def tokenize_split(src: Path, dst: Path, eos_id: int, cfg: dict, tokenizer_dir: Path) -> dict:
+def tokenize_split(meta: dict, split: str, dst: Path, eos_id: int, cfg: dict) -> dict:
     totals = {"docs": 0, "tokens": 0, "bytes": 0}
-    tokenizer_json = str(tokenizer_dir / "tokenizer.json")
-    n_docs = pq.ParquetFile(src).metadata.num_rows
+    tokenizer_json = str(TOKENIZER / "tokenizer.json")
+    pieces = raw.pieces(meta, split)
+    n_docs = meta["splits"][split]["docs"]
     with (
         pq.ParquetWriter(dst, SCHEMA, compression="zstd") as writer,
-        bar(desc=f"tokenize {src.stem}", total=n_docs, unit="doc") as progress,
+        bar(desc=f"tokenize {split}", total=n_docs, unit="doc") as progress,
     ):
-        for flat, counts, sizes in row_group_results(src, cfg, tokenizer_json, eos_id):
+        for flat, counts, sizes in piece_results(pieces, cfg, tokenizer_json, eos_id):
             offsets = np.zeros(len(counts) + 1, dtype=np.int64)
             np.cumsum(counts, out=offsets[1:])
             ids = pa.LargeListArray.from_arrays(
@@ -134,23 +125,19 @@ def tokenize_split(src: Path, dst: Path, eos_id: int, cfg: dict, tokenizer_dir: 
 
 
 def run(params: dict) -> None:
+    meta = raw.manifest()
     for split in SPLITS:
-        if not (RAW / f"{split}.parquet").exists():
-            raise UsageError(f"{RAW / split}.parquet: missing; run the download stage first")
+        raw.pieces(meta, split)  # says what is missing before any work
     if not (TOKENIZER / "tokenizer.json").exists():
         raise UsageError(f"{TOKENIZER}/tokenizer.json: missing; run the tokenizer stage first")
     from transformers import AutoTokenizer
 
     eos_id = AutoTokenizer.from_pretrained(TOKENIZER).eos_token_id
     with atomic_dir(TOKENS) as tmp:
-        meta = {"eos_id": eos_id, "splits": {}}
+        out = {"eos_id": eos_id, "splits": {}}
         for split in SPLITS:
-            meta["splits"][split] = tokenize_split(
-                RAW / f"{split}.parquet",
-                tmp / f"{split}.parquet",
-                eos_id,
-                params["tokenize"],
-                TOKENIZER,
+            out["splits"][split] = tokenize_split(
+                meta, split, tmp / f"{split}.parquet", eos_id, params["tokenize"]
             )
-        write_json(tmp / "meta.json", meta)
+        write_json(tmp / "meta.json", out)
     log.info("tokenized -> %s", TOKENS)
