@@ -136,6 +136,12 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     # Offload asked for in train.offload is kept.
     kept = params_mod.deep_merge(medium, {"train": {"offload": {"optimizer": "cpu"}}})
     assert layouts.auto_layout(kept, 3, "cuda", 80 * gb, host)[:3] == (3, True, False)
+    # train.perf.compile: true cannot run at ZeRO-3, so auto never picks it: ZeRO-2 with the
+    # optimizer offloaded instead, and where even that does not fit, the message says why.
+    compiled = params_mod.deep_merge(medium, {"train": {"perf": {"compile": True}}})
+    assert layouts.auto_layout(compiled, 3, "cuda", 8 * gb, host)[:3] == (2, True, False)
+    with pytest.raises(UsageError, match="train.perf.compile: true rules out ZeRO-3"):
+        layouts.auto_layout(compiled, 3, "cuda", 4 * gb, host)
     with pytest.raises(UsageError) as exc:
         layouts.auto_layout(medium, 3, "cuda", 2 * gb, host)
     msg = str(exc.value)

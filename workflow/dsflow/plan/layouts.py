@@ -587,17 +587,27 @@ def fit_reason(zero_stage: int, est: dict, gpu_mem_bytes: int) -> str:
     return f"the planner's cheapest fit{alone}: {gb}"
 
 
-def first_fit(req: request.Request, host_mem_bytes: int | None) -> tuple[memory.Setup, dict, str]:
-    """(setup, estimate, why) of the first layout `auto` tries that fits, in cost order from
-    ``req``'s layout (its first stage); a UsageError names the cheapest fit when none does."""
+def layout_order(req: request.Request) -> list[tuple[int, bool, bool]]:
+    """(stage, offload optimizer, offload params) in the order `auto` tries them, from ``req``'s
+    first stage. Without ZeRO-3 when the layers must compile (train.perf.compile: true), which
+    leaves ZeRO-2 with optimizer offload as the last resort."""
     first = req.zero_stage
-    want_opt, want_par = req.offload_optimizer, req.offload_params
     if req.world == 1:
         # ZeRO-3 partitions nothing on one GPU: ZeRO-Offload (ZeRO-2, whose CPU offload is
         # DeepSpeed's classic and tested path) comes first.
         order = [(first, False, False), (2, True, False), (3, True, False), (3, True, True)]
     else:
         order = [(first, False, False), (3, False, False), (3, True, False), (3, True, True)]
+    if req.compile_required:
+        order = [o for o in order if o[0] != 3] + [(2, True, False)]
+    return list(dict.fromkeys(order))
+
+
+def first_fit(req: request.Request, host_mem_bytes: int | None) -> tuple[memory.Setup, dict, str]:
+    """(setup, estimate, why) of the first layout `auto` tries that fits, in cost order from
+    ``req``'s layout (its first stage); a UsageError names the cheapest fit when none does."""
+    want_opt, want_par = req.offload_optimizer, req.offload_params
+    order = layout_order(req)
     reason = ""
     for z, o, p in order:
         if (want_opt and not o) or (want_par and not p):
@@ -612,11 +622,14 @@ def first_fit(req: request.Request, host_mem_bytes: int | None) -> tuple[memory.
     )
     rec = recommendation(rows)
     hint = f"cheapest fit: {rec['strategy']}" if rec else "nothing fits, not even smaller presets"
+    last = "ZeRO-2" if req.compile_required else "ZeRO-3"
     msg = (
         f"train.zero_stage: auto: no ZeRO layout fits {req.preset} at micro batch "
-        f"{req.micro_batch} on {req.world} GPU(s) (ZeRO-3 with CPU offload {reason}); {hint}; "
+        f"{req.micro_batch} on {req.world} GPU(s) ({last} with CPU offload {reason}); {hint}; "
         "see python -m dsflow plan"
     )
+    if req.compile_required:
+        msg += "; train.perf.compile: true rules out ZeRO-3 (auto compiles where it can)"
     raise UsageError(" ".join(msg.split()))
 
 
@@ -631,7 +644,8 @@ def auto_layout(
     memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
     offload, + parameter offload (one GPU: ZeRO-1, then ZeRO-2 + optimizer offload, then
     ZeRO-3 with offload; ZeRO-0 first wherever train.perf.optimizer asks for the fused
-    optimizer), at the configured micro batch (offload asked for in train.offload is kept). One
+    optimizer; no ZeRO-3 where train.perf.compile is true), at the configured micro batch
+    (offload asked for in train.offload is kept). One
     GPU has nothing to partition, so ZeRO-0/1 hold what ZeRO-2 does, and ZeRO-1 handles its
     gradients without a hook per parameter in every backward: faster on one H200
     (docs/performance.md). On CPU there is nothing to fit: ZeRO-2 (the fewest collectives).

@@ -70,6 +70,8 @@ class Request(memory.Setup):
     disk_free_bytes: int | None = None
     disk_source: str = "unknown"
     nvme_path: str | None = None
+    # train.perf.compile: true: the train stage refuses ZeRO-3 then, so `auto` never picks it.
+    compile_required: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def record(self) -> dict[str, Any]:
@@ -361,7 +363,11 @@ def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
     if precision == "fp16":
         perf["ce_chunk"] = 0
     chosen = fastpaths.resolve(perf, device, precision=precision)
-    return {"ce_chunk": chosen.ce_chunk, "compiled": chosen.compile}
+    return {
+        "ce_chunk": chosen.ce_chunk,
+        "compiled": chosen.compile,
+        "compile_required": perf.get("compile") is True,
+    }
 
 
 def _balance_loss(balance: dict, config: Any) -> bool:

@@ -340,8 +340,8 @@ def plan_memory(params: dict, world: int, device: str) -> tuple[dict, dict]:
     (one line says so when it planned other GPUs), else it is made here, once.
 
     `auto` picks the cheapest memory layout the planner says fits (layouts.first_fit: ZeRO-2,
-    or ZeRO-1 / ZeRO-0 on one GPU, then ZeRO-3, then CPU offload of the optimizer, then of the
-    parameters); on CPU ZeRO-2, with nothing to fit."""
+    or ZeRO-1 / ZeRO-0 on one GPU, then ZeRO-3 unless train.perf.compile is true, then CPU
+    offload of the optimizer, then of the parameters); on CPU ZeRO-2, with nothing to fit."""
     auto = params["train"]["zero_stage"] == "auto"
     if auto and device != "cuda":
         stage, opt, par, why = layouts.cpu_layout(params["train"])
