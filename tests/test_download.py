@@ -492,6 +492,15 @@ def test_referenced_files_give_what_a_copy_holds(tmp_path, monkeypatch, split_by
     ]
     assert got["reference"] == got["copy"]
     assert len(got["copy"]["val"]) > 5 and len(got["copy"]["train"]) > 100
+    # A split's reader skips the parts that hold none of its documents, unread.
+    parts = json.loads((tmp_path / "reference/data/raw/parts.json").read_text())["parts"]
+    read = []
+    monkeypatch.setattr(raw, "read_part", lambda *a: read.append(a) or textfiles.read_part(*a))
+    with chdir(tmp_path / "reference"):
+        assert [t for texts, _ in raw.batches("val") for t in texts] == [
+            d["text"] for d in got["copy"]["val"]
+        ]
+    assert len(read) == sum(1 for p in parts if p[5]) < len(parts)
     if max_docs:
         assert len(got["copy"]["train"]) + len(got["copy"]["val"]) == max_docs
 
@@ -505,7 +514,8 @@ def test_tokens_from_referenced_files_match_a_copy_and_a_changed_file_is_named(t
         files = {"paths": paths, "store": store, "chunk_bytes": 700}
         overlay = {
             "download": {"source": "files", "max_docs": None, "val_fraction": 0.1, "files": files},
-            "tokenizer": {"sample_bytes": 100_000},  # a sample: rows must count the same
+            # A tenth: rows must count the same, and parts with no sampled row go unread.
+            "tokenizer": {"sample_bytes": 20_000},
             "tokenize": {"num_proc": 1},
         }
         params = in_process(repo, overlay)

@@ -179,13 +179,16 @@ class SplitWriter:
                 w.close()
 
 
-def write_batches(batches, cfg: dict, writer: SplitWriter | None, tally: Tally) -> None:
+def write_batches(batches, cfg: dict, writer: SplitWriter | None, tally: Tally, seen=None) -> None:
     """The builtin and files sources: (documents, extra columns, origins) batches of non-blank
-    documents, each document to its split, up to the caps; counted only, with no writer."""
+    documents, each document to its split, up to the caps; counted only, with no writer.
+    `seen`, if given, gets each batch's val flags of the documents admitted."""
     for docs, extra, origins in batches:
         sizes = list(map(len, docs))
         n = tally.admits(cfg, sizes)
         to_val = val_mask(docs[:n], cfg["val_fraction"])
+        if seen is not None:
+            seen(to_val)
         for split, mask in (("train", [not v for v in to_val]), ("val", to_val)):
             columns = {k: list(compress(v, mask)) for k, v in extra.items()}
             if writer is not None:
@@ -269,16 +272,35 @@ def check_splits(cfg: dict, tally: Tally) -> None:
         raise UsageError(f"download: the val split cannot be a fair sample: {too_long}")
 
 
-def referenced_parts(source: FileSource, admitted: int) -> list[list]:
-    """[file number, start, end, hash, documents] of the parts that hold the first `admitted`
-    documents: the last one's count may stop short of what the range holds."""
-    parts, left = [], admitted
-    for number, start, end, docs, digest in source.parts:
-        if left <= 0:
-            break
-        parts.append([number, start, end, f"{digest:016x}", min(docs, left)])
-        left -= docs
-    return parts
+class PartSplits:
+    """The documents admitted from each of the files source's parts, and how many of them went
+    to val, from the val flags of the documents in order: the readers of a split skip the
+    parts that hold none of its documents, and count rows without reading."""
+
+    def __init__(self, source: FileSource):
+        self.parts = source.parts
+        self.docs: list[int] = []
+        self.val: list[int] = []
+
+    def add(self, to_val: list[bool]) -> None:
+        i = 0
+        while i < len(to_val):
+            if not self.docs or self.docs[-1] == self.parts[len(self.docs) - 1][3]:
+                self.docs.append(0)
+                self.val.append(0)
+            take = min(self.parts[len(self.docs) - 1][3] - self.docs[-1], len(to_val) - i)
+            self.docs[-1] += take
+            self.val[-1] += sum(to_val[i : i + take])
+            i += take
+
+    def table(self) -> list[list]:
+        """[file number, start, end, hash, documents, val documents] of every part admitted
+        from: the last one's count may stop short of what its range holds (a cap)."""
+        admitted = zip(self.parts[: len(self.docs)], self.docs, self.val, strict=True)
+        return [
+            [number, start, end, f"{digest:016x}", docs, val]
+            for (number, start, end, _, digest), docs, val in admitted
+        ]
 
 
 def build_manifest(params: dict, tally: Tally, outputs: dict, files: list[str]) -> dict:
@@ -340,9 +362,10 @@ def write_copy(params: dict, file_source: FileSource | None, tmp: Path):
 def write_reference(cfg: dict, file_source: FileSource, tmp: Path) -> Tally:
     """The files' documents read, checked and counted; where they lie -> tmp/parts.json."""
     tally = Tally()
+    splits = PartSplits(file_source)
     batches = ((docs, {}, origins) for docs, origins in file_source.batches())
-    write_batches(batches, cfg, None, tally)
-    write_json(tmp / RAW_PARTS.name, {"parts": referenced_parts(file_source, tally.docs)})
+    write_batches(batches, cfg, None, tally, splits.add)
+    write_json(tmp / RAW_PARTS.name, {"parts": splits.table()})
     return tally
 
 

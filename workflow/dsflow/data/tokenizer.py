@@ -16,7 +16,6 @@ every document.
 from __future__ import annotations
 
 import json
-from itertools import compress
 from pathlib import Path
 
 import numpy as np
@@ -51,14 +50,13 @@ class Sample:
     def __iter__(self):
         # Compared in [0, 2**64): every document when the fraction is 1.
         threshold = np.uint64(min(int(self.fraction * 2**64), 2**64 - 1))
-        row = 0
-        for texts, sizes in raw.batches("train", self.batch_size):
-            n = len(texts)
-            if self.fraction < 1:
-                rows = np.arange(row, row + n, dtype=np.uint64)
-                keep = splitmix64(rows ^ self.key) < threshold
-                texts, sizes = list(compress(texts, keep)), sizes[keep]
-            row += n
+
+        def rows(numbers: np.ndarray) -> np.ndarray:
+            return splitmix64(numbers ^ self.key) < threshold
+
+        for texts, sizes in raw.batches(
+            "train", self.batch_size, rows if self.fraction < 1 else None
+        ):
             self.docs += len(texts)
             self.bytes += int(sizes.sum())
             yield texts
