@@ -435,6 +435,15 @@ def test_jsonl_errors_name_the_line(tmp_path):
         file_docs([path], "auto")
 
 
+def test_blank_is_what_str_isspace_says():
+    for text in (" \x1c\x1f \n", "\u3000\t", "\x85 "):
+        data = text.encode()
+        assert textfiles.blank(data, 0, len(data)), repr(text)
+    for text in (" \x1cx", "\u3000a", "a"):
+        data = text.encode()
+        assert not textfiles.blank(data, 0, len(data)), repr(text)
+
+
 def test_chunks_move_on_through_bytes_that_start_no_character():
     """A run of UTF-8 continuation bytes longer than a chunk is cut anyway (decoding then names
     the bad byte) instead of never leaving its first position."""
@@ -445,15 +454,21 @@ def test_chunks_move_on_through_bytes_that_start_no_character():
 
 
 def mixed_corpus(folder):
-    """A big .txt, small .txt files, a .jsonl with blank lines and a .parquet with a null."""
+    """A big .txt, a .txt of long lines of 3-byte characters between blank lines (chunks cut
+    inside lines back off to a character), small .txt files, a .jsonl with blank lines and a
+    .parquet in row groups of 7 with a null."""
     folder.mkdir()
     (folder / "a_big.txt").write_text(lines_of_text(1500))
+    rng = random.Random(2)
+    lines = ["\u6f22\u5b57" * rng.randint(1, 300) if rng.random() < 0.7 else "" for _ in range(300)]
+    (folder / "a_cjk.txt").write_text("\n".join(lines) + "\n")
     for i in range(12):
         (folder / f"b_small{i:02d}.txt").write_text(f"Small {i}.\n\n{lines_of_text(4 + i)}")
     lines = [json.dumps({"text": lines_of_text(3 + i % 7)}) for i in range(60)]
     (folder / "c.jsonl").write_text("\n".join(lines[:30]) + "\n\n" + "\n".join(lines[30:]) + "\n")
     texts = [lines_of_text(2 + i % 5) for i in range(80)]
-    pq.write_table(pa.table({"text": texts[:40] + [None] + texts[40:]}), folder / "d.parquet")
+    table = pa.table({"text": texts[:40] + [None] + texts[40:]})
+    pq.write_table(table, folder / "d.parquet", row_group_size=7)
     return [str(folder / "*.txt"), str(folder / "c.jsonl"), str(folder / "d.parquet")]
 
 
@@ -541,3 +556,38 @@ def test_tokens_from_referenced_files_match_a_copy_and_a_changed_file_is_named(t
     big.unlink()
     with chdir(tmp_path / "reference"), pytest.raises(UsageError, match="changed since"):
         list(raw.batches("train"))
+
+
+class NoBar:
+    def update(self, n):
+        pass
+
+
+@pytest.mark.parametrize("split_by", ["chunk", "line", "paragraph"])
+def test_a_part_cut_again_on_its_own_gives_its_documents(tmp_path, monkeypatch, split_by):
+    """What the referenced store rests on: each part's range, read and cut again with nothing
+    after it (read_part), gives the documents the download cut from it, for blocks and chunks
+    of many sizes over text of 1- to 4-byte characters, blank lines and line ends of every kind.
+    The parts tile the file."""
+    rng = random.Random(3)
+    alphabet = ["a", "b", " ", "\n", "\n", "\r\n", "\t", "\u00e9", "\u20ac", "\U0001f600", "\u3000"]
+    path = tmp_path / "mixed.txt"
+    cfg = {"split_by": split_by, "text_field": "text"}
+    for trial in range(60):
+        data = "".join(rng.choice(alphabet) for _ in range(rng.randint(50, 400))).encode()
+        path.write_bytes(data)
+        monkeypatch.setattr(textfiles, "BLOCK", rng.choice([16, 33, 64, 100]))
+        monkeypatch.setattr(textfiles, "MAX_DOC_BYTES", textfiles.BLOCK)
+        cfg["chunk_bytes"] = rng.choice([4, 8, 13, 64])
+        try:
+            parts = list(
+                textfiles.txt_batches(str(path), len(data), split_by, cfg["chunk_bytes"], NoBar())
+            )
+        except UsageError:  # a line or paragraph longer than the block: refused, as it should be
+            continue
+        assert [p.start for p in parts[1:]] == [p.end for p in parts[:-1]] and parts[-1].end == len(
+            data
+        )
+        for p in parts:
+            again = textfiles.read_part(str(path), ".txt", p.start, p.end, p.digest, cfg)
+            assert list(map(bytes, again)) == list(map(bytes, p.docs)), (trial, p.start, p.end)

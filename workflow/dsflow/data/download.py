@@ -294,12 +294,12 @@ class PartSplits:
             i += take
 
     def table(self) -> list[list]:
-        """[file number, start, end, hash, documents, val documents] of every part admitted
-        from: the last one's count may stop short of what its range holds (a cap)."""
+        """[file number, start, end, hash, documents, val documents, bytes] of every part
+        admitted from: the last one's count may stop short of what its range holds (a cap)."""
         admitted = zip(self.parts[: len(self.docs)], self.docs, self.val, strict=True)
         return [
-            [number, start, end, f"{digest:016x}", docs, val]
-            for (number, start, end, _, digest), docs, val in admitted
+            [number, start, end, f"{digest:016x}", docs, val, size]
+            for (number, start, end, _, digest, size), docs, val in admitted
         ]
 
 

@@ -68,12 +68,12 @@ def pieces(meta: dict, split: str) -> list[tuple]:
         raise UsageError(f"{RAW_PARTS}: missing; run the download stage first")
     cut = {k: meta[k] for k in ("split_by", "chunk_bytes", "text_field", "val_fraction")}
     out, group, size = [], [], 0
-    for number, start, end, digest, docs, val in json.loads(RAW_PARTS.read_text())["parts"]:
+    for number, start, end, digest, docs, val, nbytes in json.loads(RAW_PARTS.read_text())["parts"]:
         mine = val if split == "val" else docs - val
         if mine == 0:
             continue
         group.append((meta["files"][number], start, end, int(digest, 16), docs, mine))
-        size += end - start
+        size += nbytes
         if size >= PIECE_BYTES:
             out.append(("parts", split, cut, group, sum(g[-1] for g in group)))
             group, size = [], 0

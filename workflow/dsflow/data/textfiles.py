@@ -1,9 +1,11 @@
 """The `files` source: local .txt, .jsonl and .parquet files -> document texts.
 
 Files are read with plain buffered reads in blocks of `BLOCK` bytes, so memory stays bounded by
-the block size and the largest document (`MAX_DOC_BYTES`), not the file or corpus size, and a
-file costs one open and a few reads: no per-file framework setup. Documents come out in batches
-of UTF-8 bytes, validated and cleaned, so the writer never converts them back from str.
+a few blocks and the largest document (`MAX_DOC_BYTES`), not the file or corpus size, and a file
+costs one open and a few reads: no per-file framework setup. Documents come out in batches of
+UTF-8 bytes (views of the block read, where they are its bytes verbatim), validated and cleaned,
+so the writer never converts them back from str. A batch ends once its parts read BLOCK bytes,
+so the blocks its views keep alive are few.
 `download.files.split_by` says how a text becomes documents:
 
 - `auto`: a .txt file is cut like `chunk`; a .jsonl or .parquet record is one document.
@@ -48,18 +50,21 @@ SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 # A newline, then one or more lines holding only whitespace: the end of a paragraph.
 PARAGRAPH_BREAK = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
 UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
-# The first byte that is not ASCII whitespace: an ASCII one makes a document non-blank at once.
-NOT_SPACE = re.compile(rb"[^ \t\n\r\f\v]")
+# The first byte that is not ASCII whitespace (as str.isspace has it, with the separators
+# \x1c-\x1f): an ASCII one makes a document non-blank at once.
+NOT_SPACE = re.compile(rb"[^ \t\n\r\f\v\x1c-\x1f]")
 
 
 class Part(NamedTuple):
     """Documents of one file range: [start, end) in bytes (.txt, .jsonl) or rows (.parquet), and
-    xxh3-64 of what the range holds (its bytes; a .parquet's texts, each after its length)."""
+    xxh3-64 of what the range holds (its bytes; a .parquet's texts, each after its length), and
+    how many bytes that is."""
 
     docs: list[bytes]
     start: int
     end: int
     digest: int
+    size: int
 
 
 def expand_paths(patterns: list[str]) -> list[tuple[str, int]]:
@@ -145,6 +150,13 @@ def cut_chunks(data: bytes, chunk_bytes: int, final: bool) -> tuple[list[tuple[i
                     end = pos + chunk_bytes
         spans.append((pos, end))
         pos = end
+    # A part is cut again on its own (read_part), with nothing after it, which makes whatever
+    # is left within chunk_bytes one chunk. So every chunk but a part's last must start more
+    # than chunk_bytes before the part's end: trailing chunks that do not wait for the next
+    # block, where they come out the same.
+    while not final and len(spans) >= 2 and pos - spans[-2][0] <= chunk_bytes:
+        spans.pop()
+        pos = spans[-1][1]
     return spans, pos
 
 
@@ -254,7 +266,7 @@ def txt_batches(path: str, size: int, split_by: str, chunk_bytes: int, progress)
             final = len(data) < want or base + len(data) >= size
             spans, keep = cut(data, split_by, chunk_bytes, final, scan)
             docs = documents(path, data, spans, base, split_by)
-            yield Part(docs, base, base + keep, xxh3_64_intdigest(memoryview(data)[:keep]))
+            yield Part(docs, base, base + keep, xxh3_64_intdigest(memoryview(data)[:keep]), keep)
             progress.update(keep)
             if final:
                 return
@@ -330,25 +342,65 @@ def text_column(path: str, field: str) -> pq.ParquetFile:
     return pf
 
 
-def parquet_records(path: str, field: str, progress=None, rows: tuple[int, int] | None = None):
-    """The records of a .parquet file, or of its rows [lo, hi). A text is hashed after its
-    length, so moving a character between neighbours changes the hash; a null as 8 x 0xff."""
+def parquet_records(path: str, field: str, progress) -> Iterator[Record]:
+    """The records of a .parquet file. A text is hashed after its length, so moving a character
+    between neighbours changes the hash; a null as 8 x 0xff."""
     pf = text_column(path, field)
     per_group = os.path.getsize(path) // max(pf.num_row_groups, 1)
-    lo, hi = rows or (0, pf.metadata.num_rows)
-    first = 0
+    row = 0
     for group in range(pf.num_row_groups):
-        last = first + pf.metadata.row_group(group).num_rows
-        if first < hi and last > lo:
-            row = first
-            for batch in pf.iter_batches(batch_size=1024, row_groups=[group], columns=[field]):
-                for text in batch.column(0).to_pylist():
-                    row += 1
-                    if lo < row <= hi:
-                        yield Record(f"row {row}", text, hashed_text(text), row)
-        first = last
-        if progress is not None:
-            progress.update(per_group)
+        for batch in pf.iter_batches(batch_size=1024, row_groups=[group], columns=[field]):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                yield Record(f"row {row}", text, hashed_text(text), row)
+        progress.update(per_group)
+
+
+class RowCursor:
+    """A .parquet file's text column, read forward. Parts of one row group are read one after
+    another (a piece's, then the next piece's): each continues the decode where the last one
+    stopped, where starting at the row group each time would cost a group of n parts n times
+    its decode. Rows skipped over are decoded by Arrow but never made str."""
+
+    def __init__(self, path: str, field: str):
+        self.key = cursor_key(path, field)
+        self.batches = text_column(path, field).iter_batches(batch_size=1024, columns=[field])
+        self.at = 0  # the row number of self.held[0]
+        self.held = pa.array([], pa.string())
+
+    def take(self, lo: int, hi: int) -> list[str | None]:
+        """The texts of rows [lo, hi); lo must not be before where the last take ended."""
+        texts: list[str | None] = []
+        while self.at < hi:
+            if len(self.held) == 0:
+                batch = next(self.batches, None)
+                if batch is None:
+                    break
+                self.held = batch.column(0)
+            skip = max(lo - self.at, 0)
+            n = min(len(self.held), hi - self.at)
+            if skip < n:
+                texts += self.held.slice(skip, n - skip).to_pylist()
+            self.held, self.at = self.held.slice(n), self.at + n
+        return texts
+
+
+_cursor: list[RowCursor] = []  # the last one this process used
+
+
+def cursor_key(path: str, field: str) -> tuple:
+    """What a cursor may go on reading: the same column of the same file, unchanged since."""
+    st = os.stat(path)
+    return path, field, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def parquet_rows(path: str, field: str, lo: int, hi: int) -> list[Record]:
+    """The records of rows [lo, hi) of a .parquet file, through the cursor the last call left
+    when it can go on from there."""
+    if not _cursor or _cursor[0].key != cursor_key(path, field) or lo < _cursor[0].at:
+        _cursor[:] = [RowCursor(path, field)]
+    texts = _cursor[0].take(lo, hi)
+    return [Record(f"row {i}", t, hashed_text(t), i) for i, t in enumerate(texts, lo + 1)]
 
 
 def hashed_text(text: str | None) -> bytes:
@@ -378,16 +430,16 @@ def record_batches(path: str, records, split_by: str, chunk_bytes: int) -> Itera
     digest = xxh3_64()
     for record in records:
         digest.update(record.hashed)
+        size += len(record.hashed)
         end = record.end
         if record.text is None:
             continue
         docs += record_documents(path, record, split_by, chunk_bytes)
-        size += len(record.hashed)
         if len(docs) >= BATCH_DOCS or size >= BLOCK:
-            yield Part(docs, start, end, digest.intdigest())
+            yield Part(docs, start, end, digest.intdigest(), size)
             docs, size, start = [], 0, end
             digest = xxh3_64()
-    yield Part(docs, start, end, digest.intdigest())
+    yield Part(docs, start, end, digest.intdigest(), size)
 
 
 def changed(path: str, unit: str, start: int, end: int) -> UsageError:
@@ -405,12 +457,14 @@ def read_part(path: str, ext: str, start: int, end: int, digest: int, cfg: dict)
     unit = "rows" if ext == ".parquet" else "bytes"
     try:
         if ext == ".parquet":
-            records = list(parquet_records(path, cfg["text_field"], rows=(start, end)))
+            records = parquet_rows(path, cfg["text_field"], start, end)
             hashed = b"".join(r.hashed for r in records)
         else:
             with open(path, "rb") as f:
                 f.seek(start)
                 hashed = f.read(end - start)
+    except PermissionError:
+        raise UsageError(f"{path}: cannot read the file (check its permissions)") from None
     except (OSError, pa.ArrowException, UsageError):
         raise changed(path, unit, start, end) from None
     if xxh3_64_intdigest(hashed) != digest:
@@ -429,7 +483,7 @@ def read_part(path: str, ext: str, start: int, end: int, digest: int, cfg: dict)
 
 class FileSource:
     """Documents of the listed files, in the order of `download.files.paths` (globs sorted).
-    `parts` lists (file number, start, end, documents, hash) of every part read so far."""
+    `parts` lists (file number, start, end, documents, hash, bytes) of every part read so far."""
 
     def __init__(self, cfg: dict):
         self.split_by = cfg["split_by"]
@@ -470,11 +524,13 @@ class FileSource:
                             continue
                         found = True
                         self.parts.append(
-                            (number, part.start, part.end, len(part.docs), part.digest)
+                            (number, part.start, part.end, len(part.docs), part.digest, part.size)
                         )
                         docs += part.docs
                         origins += [path] * len(part.docs)
-                        held += sum(map(len, part.docs))
+                        # What the part read, not what its documents hold: a .txt part's
+                        # documents are views that keep its whole block alive.
+                        held += part.size
                         if len(docs) >= BATCH_DOCS or held >= BLOCK:
                             yield docs, origins
                             docs, origins, held = [], [], 0
