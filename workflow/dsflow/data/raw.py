@@ -2,11 +2,12 @@
 
 The download stage either wrote the documents ({train,val}.parquet) or, for files it may
 reference (`download.files.store: reference`), parts.json: ranges of the files, each with the
-hash of what it held and how many documents it gave. Reading a range cuts it again as the
-manifest's `split_by` says and keeps the split's documents by the same hash the download used,
-so both stores give a split the same documents in the same order. Work is handed out in pieces
-(a Parquet row group, or consecutive ranges of about PIECE_BYTES) that worker processes read on
-their own.
+hash of what it held, how many documents it gave and how many of them went to val. Reading a
+range cuts it again as the manifest's `split_by` says and keeps the split's documents by the
+same hash the download used, so both stores give a split the same documents in the same order.
+Work is handed out in pieces (a Parquet row group, or consecutive ranges of about PIECE_BYTES)
+that worker processes read on their own; a split's reader skips the ranges that hold none of
+its documents.
 """
 
 from __future__ import annotations
