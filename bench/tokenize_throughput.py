@@ -8,8 +8,9 @@ repeat and per k in --num-procs, measures:
 - plain k: a plain `Tokenizer.encode_batch_fast` loop (ids taken out as lists, as any caller
   must) over the texts cut in k parts, in k processes at once, single-threaded; only the loops
   are timed, so this is the library's own rate per process when k processes share the machine;
-- stage k: dsflow's tokenize stage code (`tokenize_split`: parquet in, row groups encoded by k
-  worker processes, parquet out), whole: the workers' start, the reading and the writing count;
+- stage k: dsflow's tokenize stage code (`tokenize_split` over data/raw/train.parquet laid out
+  in the work folder as the download writes it: row groups encoded by k worker processes,
+  parquet out), whole: the workers' start, the reading and the writing count;
 - start k: k workers started and stopped with nothing to do (spawn, imports, tokenizer load).
 
 CPU seconds count this process and its joined children, so other load on the machine counts
@@ -36,7 +37,8 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from dsflow.data import grammar, tokenizing  # noqa: E402
+from dsflow.atomic import write_json  # noqa: E402
+from dsflow.data import grammar, raw, tokenizing  # noqa: E402
 from dsflow.data.tokenizer import train_bpe  # noqa: E402
 
 
@@ -58,7 +60,10 @@ def make_corpus(path: Path, mb: float) -> tuple[int, int]:
     while sum(map(len, texts)) < mb * 1e6:
         texts.extend(_docs((len(texts), chunk)))
     pq.write_table(pa.table({"text": texts}), path, row_group_size=8192)
-    return len(texts), sum(len(t.encode()) for t in texts)
+    n_docs, n_bytes = len(texts), sum(len(t.encode()) for t in texts)
+    split = {"docs": n_docs, "bytes": n_bytes}
+    write_json(path.parent / "manifest.json", {"source": "builtin", "splits": {"train": split}})
+    return n_docs, n_bytes
 
 
 def train_tokenizer(corpus: Path, out: Path) -> int:
@@ -112,21 +117,15 @@ def worker_start(tokenizer_dir: Path, eos: int, k: int) -> float:
     return cpu_seconds() - c0
 
 
-def stage(
-    corpus: Path, tokenizer_dir: Path, eos: int, num_proc: int, batch_size: int, work: Path
-) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process and its workers) of the stage's code."""
+def stage(eos: int, num_proc: int, batch_size: int, work: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process and its workers) of the stage's code, on
+    data/raw and data/tokenizer of the work folder (the current directory)."""
     out = work / f"stage{num_proc}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     t0, c0 = time.perf_counter(), cpu_seconds()
-    tokenizing.tokenize_split(
-        corpus,
-        out / "train.parquet",
-        eos,
-        {"num_proc": num_proc, "batch_size": batch_size},
-        tokenizer_dir,
-    )
+    cfg = {"num_proc": num_proc, "batch_size": batch_size}
+    tokenizing.tokenize_split(raw.manifest(), "train", out / "train.parquet", eos, cfg)
     times = time.perf_counter() - t0, cpu_seconds() - c0
     shutil.rmtree(out)
     return times
@@ -136,7 +135,7 @@ def measure(corpus: Path, tokenizer_dir: Path, eos: int, args, work: Path) -> di
     rows = {}
     for k in args.num_procs:
         rows[f"plain {k}"] = plain(corpus, tokenizer_dir, args.batch_size, k)
-        rows[f"stage {k}"] = stage(corpus, tokenizer_dir, eos, k, args.batch_size, work)
+        rows[f"stage {k}"] = stage(eos, k, args.batch_size, work)
         # num_proc 1 encodes in the stage's own process: no worker to start.
         rows[f"start {k}"] = (0.0, worker_start(tokenizer_dir, eos, k) if k > 1 else 0.0)
     return rows
@@ -171,18 +170,21 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
     args.num_procs = [int(k) for k in args.num_procs.split(",")]
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="dsflow-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    corpus = work / "train.parquet"
+    work = (args.workdir or Path(tempfile.mkdtemp(prefix="dsflow-bench-"))).resolve()
+    (work / "data/raw").mkdir(parents=True, exist_ok=True)
+    os.chdir(work)  # the stage reads data/raw and data/tokenizer from where it runs
+    corpus = work / "data/raw/train.parquet"
     t0 = time.perf_counter()
     n_docs, n_bytes = make_corpus(corpus, args.mb)
     print(
         f"corpus: {n_docs} docs, {n_bytes / 1e6:.1f} MB (generated in {time.perf_counter() - t0:.1f} s)"
     )
-    eos = train_tokenizer(corpus, work / "tokenizer")
+    eos = train_tokenizer(corpus, work / "data/tokenizer")
     for r in range(args.repeat):
         print(f"\nrepeat {r + 1}, load average {os.getloadavg()[0]:.1f}")
-        report(measure(corpus, work / "tokenizer", eos, args, work), n_bytes / 1e6, args.num_procs)
+        report(
+            measure(corpus, work / "data/tokenizer", eos, args, work), n_bytes / 1e6, args.num_procs
+        )
     print(f"cores: {os.cpu_count()}")
     if args.workdir is None:
         shutil.rmtree(work)
