@@ -407,6 +407,19 @@ def _checkpoints(train: dict, batch: dsconfig.Batch) -> dict[str, int]:
     return {"keep_checkpoints": keep, "checkpoints": memory.checkpoints_on_disk(keep, steps, every)}
 
 
+def _zero_buffers(zcfg: dict, zero: int, world: int) -> dict[str, Any]:
+    """train.zero's bucket sizes, and whether DeepSpeed overlaps its gradient communication
+    (its reduce buckets then double), as the train stage resolves `auto` on GPUs."""
+    hooks = {"overlap_comm": "auto", "contiguous_gradients": "auto", **zcfg}
+    return {
+        "bucket_sizes": (
+            int(zcfg.get("reduce_bucket_size", memory.DEFAULT_BUCKETS[0])),
+            int(zcfg.get("allgather_bucket_size", memory.DEFAULT_BUCKETS[1])),
+        ),
+        "overlap_comm": dsconfig.gradient_hooks(hooks, zero, world, "cuda")[0],
+    }
+
+
 def resolve(
     params: dict,
     args: Any = None,
@@ -451,7 +464,6 @@ def resolve(
     micro, accum = _batch(train, args, world)
     where = _resources(train, args, gpus, world, (gpu_mem_bytes, host_mem_bytes, disk_free_bytes))
     zero, offload_opt, offload_par = _layout(train, args, world, where["device"], notes)
-    zcfg = train.get("zero", {})
     offload_device, nvme_path = _offload_device(train, args)
     return Request(
         config=config,
@@ -470,13 +482,7 @@ def resolve(
             _arg(args, "activation_checkpointing")
             or (train.get("perf") or {}).get("activation_checkpointing", False)
         ),
-        bucket_sizes=(
-            int(zcfg.get("reduce_bucket_size", memory.DEFAULT_BUCKETS[0])),
-            int(zcfg.get("allgather_bucket_size", memory.DEFAULT_BUCKETS[1])),
-        ),
-        overlap_comm=dsconfig.gradient_hooks(
-            {"overlap_comm": "auto", "contiguous_gradients": "auto", **zcfg}, zero, world, "cuda"
-        )[0],
+        **_zero_buffers(train.get("zero", {}), zero, world),
         seq_aux=_balance_loss(train.get("balance", {}), config),
         fused_optimizer=fused_optimizer_wanted(train, world),
         offload_device=offload_device,
