@@ -140,8 +140,17 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     # optimizer offloaded instead, and where even that does not fit, the message says why.
     compiled = params_mod.deep_merge(medium, {"train": {"perf": {"compile": True}}})
     assert layouts.auto_layout(compiled, 3, "cuda", 8 * gb, host)[:3] == (2, True, False)
-    with pytest.raises(UsageError, match="train.perf.compile: true rules out ZeRO-3"):
+    both = params_mod.deep_merge(compiled, {"train": {"perf": {"optimizer": "fused"}}})
+    # From ZeRO-0, plain ZeRO-2 comes before offloading (on one GPU it holds what ZeRO-0 does).
+    assert layouts.auto_layout(both, 3, "cuda", 16 * gb, host)[:3] == (2, False, False)
+    assert layouts.auto_layout(both, 1, "cuda", 16 * gb, host)[:3] == (2, True, False)
+    with pytest.raises(UsageError) as exc:
         layouts.auto_layout(compiled, 3, "cuda", 4 * gb, host)
+    msg = str(exc.value)
+    assert "train.perf.compile: true rules out ZeRO-3" in msg and "cheapest fit: ZeRO-3" not in msg
+    par_compiled = params_mod.deep_merge(par, {"train": {"perf": {"compile": True}}})
+    with pytest.raises(UsageError, match="train.offload.param: cpu needs ZeRO-3"):
+        layouts.auto_layout(par_compiled, 3, "cuda", 80 * gb, host)
     with pytest.raises(UsageError) as exc:
         layouts.auto_layout(medium, 3, "cuda", 2 * gb, host)
     msg = str(exc.value)

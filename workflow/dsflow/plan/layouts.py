@@ -320,7 +320,8 @@ def cheapest_fit(
 
     Order: as configured; activation checkpointing; micro batch halved down to 1; ZeRO-3;
     optimizer offload; parameter offload; with ``nvme`` both offloads to NVMe (each memory
-    layout retried with checkpointing and smaller micro batches); then smaller presets (one row
+    layout retried with checkpointing and smaller micro batches; no ZeRO-3 layout where the
+    layers must compile, ``compile_required``); then smaller presets (one row
     each, its cheapest strategy). A strategy fits when the GPU, the host RAM and the disk
     (``disk_free_bytes``, for ``checkpoints`` checkpoints) hold it; None is not checked. Every
     strategy counts the balancer's aux-loss scores (``seq_aux``), whatever ``setup`` says.
@@ -333,6 +334,7 @@ def cheapest_fit(
     ladder = [
         dataclasses.replace(base.layout(z, o, p, d), activation_checkpointing=c, micro_batch=m)
         for z, o, p, d, c, m in _ladder(first, setup.activation_checkpointing, micro, nvme)
+        if not (setup.compile_required and z == 3)
     ]
     rows: list[dict[str, Any]] = []
     for s in ladder:
@@ -589,8 +591,8 @@ def fit_reason(zero_stage: int, est: dict, gpu_mem_bytes: int) -> str:
 
 def layout_order(req: request.Request) -> list[tuple[int, bool, bool]]:
     """(stage, offload optimizer, offload params) in the order `auto` tries them, from ``req``'s
-    first stage. Without ZeRO-3 when the layers must compile (train.perf.compile: true), which
-    leaves ZeRO-2 with optimizer offload as the last resort."""
+    first stage. Without ZeRO-3 when the layers must compile (train.perf.compile: true): then
+    ZeRO-2, and ZeRO-2 with the optimizer offloaded, follow the first stage."""
     first = req.zero_stage
     if req.world == 1:
         # ZeRO-3 partitions nothing on one GPU: ZeRO-Offload (ZeRO-2, whose CPU offload is
@@ -599,7 +601,8 @@ def layout_order(req: request.Request) -> list[tuple[int, bool, bool]]:
     else:
         order = [(first, False, False), (3, False, False), (3, True, False), (3, True, True)]
     if req.compile_required:
-        order = [o for o in order if o[0] != 3] + [(2, True, False)]
+        order = [o for o in order if o[0] != 3 and o != (2, True, False)]
+        order += [(2, False, False), (2, True, False)]
     return list(dict.fromkeys(order))
 
 
@@ -607,6 +610,11 @@ def first_fit(req: request.Request, host_mem_bytes: int | None) -> tuple[memory.
     """(setup, estimate, why) of the first layout `auto` tries that fits, in cost order from
     ``req``'s layout (its first stage); a UsageError names the cheapest fit when none does."""
     want_opt, want_par = req.offload_optimizer, req.offload_params
+    if req.compile_required and want_par:
+        raise UsageError(
+            "train.offload.param: cpu needs ZeRO-3, which train.perf.compile: true rules out; "
+            "set train.perf.compile: auto (or false), or train.offload.param: none"
+        )
     order = layout_order(req)
     reason = ""
     for z, o, p in order:

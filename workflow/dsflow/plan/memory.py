@@ -154,6 +154,8 @@ class Setup:
     lora_merged_layer: int = 0  # the same in the decoder layer that has the most
     ce_chunk: int = 0  # train.perf.ce_chunk as resolved: 0 = the full fp32 logits
     compiled: bool = False  # train.perf.compile as resolved; no layout compiles at ZeRO-3
+    # train.perf.compile: true: the train stage refuses ZeRO-3 then, so no plan offers it.
+    compile_required: bool = False
 
     @property
     def ranks_per_node(self) -> int:

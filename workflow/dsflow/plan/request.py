@@ -70,8 +70,6 @@ class Request(memory.Setup):
     disk_free_bytes: int | None = None
     disk_source: str = "unknown"
     nvme_path: str | None = None
-    # train.perf.compile: true: the train stage refuses ZeRO-3 then, so `auto` never picks it.
-    compile_required: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def record(self) -> dict[str, Any]:
