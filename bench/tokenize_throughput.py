@@ -125,7 +125,9 @@ def stage(eos: int, num_proc: int, batch_size: int, work: Path) -> tuple[float, 
     out.mkdir(parents=True)
     t0, c0 = time.perf_counter(), cpu_seconds()
     cfg = {"num_proc": num_proc, "batch_size": batch_size}
-    tokenizing.tokenize_split(raw.manifest(), "train", out / "train.parquet", eos, cfg)
+    meta = raw.manifest()
+    pieces = raw.pieces(meta, "train")
+    tokenizing.tokenize_split(meta, "train", pieces, out / "train.parquet", eos, cfg)
     times = time.perf_counter() - t0, cpu_seconds() - c0
     shutil.rmtree(out)
     return times

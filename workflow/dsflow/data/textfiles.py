@@ -493,7 +493,7 @@ class FileSource:
         self.paths = [path for path, _ in self.files]
         self.kinds = [check_file(p) for p in self.paths]
         self.total = sum(size for _, size in self.files)
-        self.parts: list[tuple[int, int, int, int, int]] = []
+        self.parts: list[tuple[int, int, int, int, int, int]] = []
 
     def file_parts(self, path: str, size: int, ext: str, progress) -> Iterator[Part]:
         if ext == ".txt":

@@ -100,10 +100,10 @@ def piece_results(pieces: list, cfg: dict, tokenizer_json: str, eos_id: int):
             yield pending.popleft().get()
 
 
-def tokenize_split(meta: dict, split: str, dst: Path, eos_id: int, cfg: dict) -> dict:
+def tokenize_split(meta: dict, split: str, pieces: list, dst: Path, eos_id: int, cfg: dict) -> dict:
+    """The split's `pieces` (raw.pieces) encoded into `dst`; its totals for meta.json."""
     totals = {"docs": 0, "tokens": 0, "bytes": 0}
     tokenizer_json = str(TOKENIZER / "tokenizer.json")
-    pieces = raw.pieces(meta, split)
     n_docs = meta["splits"][split]["docs"]
     with (
         pq.ParquetWriter(dst, SCHEMA, compression="zstd") as writer,
@@ -126,8 +126,7 @@ def tokenize_split(meta: dict, split: str, dst: Path, eos_id: int, cfg: dict) ->
 
 def run(params: dict) -> None:
     meta = raw.manifest()
-    for split in SPLITS:
-        raw.pieces(meta, split)  # says what is missing before any work
+    pieces = {split: raw.pieces(meta, split) for split in SPLITS}  # what is missing, said first
     if not (TOKENIZER / "tokenizer.json").exists():
         raise UsageError(f"{TOKENIZER}/tokenizer.json: missing; run the tokenizer stage first")
     from transformers import AutoTokenizer
@@ -137,7 +136,7 @@ def run(params: dict) -> None:
         out = {"eos_id": eos_id, "splits": {}}
         for split in SPLITS:
             out["splits"][split] = tokenize_split(
-                meta, split, tmp / f"{split}.parquet", eos_id, params["tokenize"]
+                meta, split, pieces[split], tmp / f"{split}.parquet", eos_id, params["tokenize"]
             )
         write_json(tmp / "meta.json", out)
     log.info("tokenized -> %s", TOKENS)

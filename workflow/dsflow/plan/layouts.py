@@ -653,10 +653,10 @@ def auto_layout(
     offload, + parameter offload (one GPU: ZeRO-1, then ZeRO-2 + optimizer offload, then
     ZeRO-3 with offload; ZeRO-0 first wherever train.perf.optimizer asks for the fused
     optimizer; no ZeRO-3 where train.perf.compile is true), at the configured micro batch
-    (offload asked for in train.offload is kept). One
-    GPU has nothing to partition, so ZeRO-0/1 hold what ZeRO-2 does, and ZeRO-1 handles its
-    gradients without a hook per parameter in every backward: faster on one H200
-    (docs/performance.md). On CPU there is nothing to fit: ZeRO-2 (the fewest collectives).
+    (offload asked for in train.offload is kept). One GPU has nothing to partition, so ZeRO-0/1
+    hold what ZeRO-2 does, and ZeRO-1 handles its gradients without a hook per parameter in
+    every backward: faster on one H200 (docs/performance.md). On CPU there is nothing to fit:
+    ZeRO-2 (the fewest collectives).
     When nothing fits, a UsageError names the cheapest strategy that would (smaller micro
     batch, checkpointing, a smaller preset). Host RAM: `host_mem_bytes`, else this machine's."""
     if device_type != "cuda":
