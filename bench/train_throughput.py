@@ -91,6 +91,22 @@ CONFIGS = {
     # its balance loss) and Moonlight-16B-A3B (the V3 family at the same widths).
     "v2lite4": {"preset": "deepseek-v2-lite", "overrides": {"num_hidden_layers": 4}},
     "moonlight4": {"preset": "moonlight-16b-a3b", "overrides": {"num_hidden_layers": 4}},
+    # All-dense models at hidden 2048 and 4096 (with `dense` at 1024: train.perf.fp8 by width).
+    "dense2048": {
+        "preset": "medium",
+        "overrides": {
+            **{"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 8},
+            **{"first_k_dense_replace": 8, "q_lora_rank": 768, "kv_lora_rank": 512},
+        },
+    },
+    "dense4096": {
+        "preset": "medium",
+        "overrides": {
+            **{"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 4},
+            **{"first_k_dense_replace": 4, "num_attention_heads": 32},
+            **{"q_lora_rank": 1536, "kv_lora_rank": 512},
+        },
+    },
 }
 # Variants that continue a checkpoint: the bench saves the config's random init once as one
 # (bf16 safetensors) and sets model.pretrained to it.
@@ -136,6 +152,9 @@ VARIANTS = {
     "sync-metrics": {"perf": {"async_metrics": False}},
     "no-overlap": {"zero": {"overlap_comm": False}},
     "cudagraphs": {"perf": {"compile_mode": "reduce-overhead"}},
+    # FP8 matmuls in the larger dense linears (torchao float8), per tensor or per row
+    "fp8": {"perf": {"fp8": "tensorwise"}},
+    "fp8-rowwise": {"perf": {"fp8": "rowwise"}},
     **FROM_CHECKPOINT,
 }
 # The noise references: the baseline with one exact change of kernel each (MLA's V zero-padded

@@ -36,7 +36,12 @@ def cuda() -> dict[str, Any]:
             for i in range(torch.cuda.device_count()):
                 props = torch.cuda.get_device_properties(i)
                 gpus.append(
-                    {"index": i, "name": props.name, "total_memory": int(props.total_memory)}
+                    {
+                        "index": i,
+                        "name": props.name,
+                        "total_memory": int(props.total_memory),
+                        "capability": [props.major, props.minor],
+                    }
                 )
             for i in range(len(gpus)):
                 for j in range(i + 1, len(gpus)):
@@ -63,7 +68,7 @@ def cuda() -> dict[str, Any]:
 
 
 def gpus() -> list[dict[str, Any]]:
-    """[{index, name, total_memory}] of the visible CUDA GPUs ([] without CUDA)."""
+    """[{index, name, total_memory, capability}] of the visible CUDA GPUs ([] without CUDA)."""
     return cuda()["gpus"]
 
 

@@ -47,6 +47,7 @@ rule plan:
         code(
             "model/build.py",
             "model/fastpaths.py",
+            "model/float8.py",
             "model/flops.py",
             "model/fp8.py",
             "model/lora.py",

@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from dsflow.errors import UsageError
+from dsflow.model import float8
 
 # HF treats any implementation name containing "flash" as a flash-attn package to import.
 FLASH_PADDED = "dsflow_padded_sdpa"
@@ -86,6 +87,8 @@ class Perf:
     async_metrics: bool = (
         False  # each step's numbers read back one step late (dsflow.train.metrics)
     )
+    fp8: str = "off"  # "off" | a dsflow.model.float8 recipe: "tensorwise" | "rowwise"
+    fp8_linears: int = 0  # how many linears apply() turned into float8 ones
 
     @property
     def hooks_traced(self) -> bool:
@@ -103,7 +106,8 @@ class Perf:
             f"experts {self.experts}{' where it applies' if self.experts_fallback else ''}, "
             f"router hooks {'compiled' if self.hooks_traced else 'eager'}, "
             f"optimizer {'fused AdamW (fp32 masters)' if self.optimizer == 'fused' else 'DeepSpeed'}, "
-            f"step metrics {'read one step late' if self.async_metrics else 'read at once'}"
+            f"step metrics {'read one step late' if self.async_metrics else 'read at once'}, "
+            f"FP8 {f'{self.fp8} on {self.fp8_linears} linears' if self.fp8 != 'off' else 'off'}"
         )
 
 
@@ -167,7 +171,31 @@ def resolve(
             perf, zero_stage, precision, optimizer_offload, cuda, world, user_config
         ),
         async_metrics=bool(pick("async_metrics", True, False)),
+        fp8=fp8_choice(perf, zero_stage, precision),
     )
+
+
+def fp8_choice(perf: dict, zero_stage: int, precision: str) -> str:
+    """`train.perf.fp8`, opt-in: where it runs (dsflow.model.float8) or one line why not."""
+    recipe = perf.get("fp8") or "off"  # false (YAML's off too) = off
+    if recipe == "off":
+        return recipe
+    if precision == "fp16":
+        # torchao scales each tensor into FP8 itself; fp16's dynamic loss scale is untested
+        # with it, and bf16 needs no loss scale.
+        raise UsageError(
+            f"train.perf.fp8: {recipe} needs train.precision bf16 (or fp32), not fp16; "
+            "set train.precision: bf16 or train.perf.fp8: false"
+        )
+    if zero_stage == 3:
+        # ZeRO-3 gathers each weight in module hooks; torchao's float8 linears under them are
+        # untested (torchtitan runs them under FSDP2 with an FP8 all-gather instead).
+        raise UsageError(
+            f"train.perf.fp8: {recipe} is not supported with ZeRO-3 (untested with "
+            "DeepSpeed's partitioned weights); use train.zero_stage 0, 1 or 2, or "
+            "train.perf.fp8: false"
+        )
+    return recipe
 
 
 def optimizer_choice(
@@ -416,6 +444,11 @@ def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> P
     use_attention(model, perf.attention)
     experts = use_experts(model, perf.experts, perf.experts_fallback)
     perf = dataclasses.replace(perf, experts=experts, experts_fallback=False)
+    if perf.fp8 != "off":
+        # Before compile, so the float8 casts are traced into the layers' graphs.
+        on_gpu = (device or next(model.parameters()).device).type == "cuda"
+        count = float8.convert(model, perf.fp8, emulate=not on_gpu)
+        perf = dataclasses.replace(perf, fp8_linears=count)
     if perf.activation_checkpointing:
         # Non-reentrant: the recomputation keeps autograd for the balancer's aux loss.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

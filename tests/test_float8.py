@@ -1,0 +1,124 @@
+"""train.perf.fp8 (dsflow.model.float8): which linears go to FP8, that training through them
+stays close to bf16 (torchao's emulation on CPU runs the same casts and scales), and the one-line
+refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import dsflow, tiny_run, tiny_v2, update_params
+from dsflow.errors import UsageError
+from dsflow.model import fastpaths, float8
+from dsflow.model.build import build_model
+from dsflow.model.loss import TrainingLM
+from dsflow.model.presets import model_config
+from dsflow.train.stage import check_fp8
+
+Float8Linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
+
+VOCAB = 300
+# The tiny preset with a dense MLP wide enough for FP8 to pay (out_features > 1024): its
+# gate_proj and up_proj are chosen, its down_proj and every other linear are not.
+WIDE_MLP = {"intermediate_size": 1056}
+
+
+def tiny(family):
+    torch.manual_seed(0)
+    if family == "deepseek_v2":
+        config = model_config("deepseek-v2-lite", VOCAB, tiny_v2(**WIDE_MLP))
+        return build_model(config, device_type="cpu")
+    return build_model(model_config("tiny", VOCAB, WIDE_MLP), device_type="cpu")
+
+
+@pytest.mark.parametrize("recipe", float8.RECIPES)
+def test_shapes_chosen_are_torchaos_own(recipe):
+    """dsflow's shape rule is torchao's published one for the recipe (its auto filter)."""
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+    theirs = _auto_filter_for_recipe(recipe, filter_fqns=[])
+    dims = [16, 24, 512, 1024, 1040, 2048, 2064, 4096, 4112, 8192]
+    for n in dims:
+        for k in dims:
+            linear = torch.nn.Linear(k, n, bias=False, device="meta")
+            assert float8.worthwhile(n, k, recipe) == theirs(linear, "layer"), (n, k)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_fp8_linears_train_like_bf16(family):
+    """The chosen linears become float8 ones (the lm_head, the router and small layers stay);
+    parameter names are unchanged (checkpoints, export); one bf16 forward/backward gives the
+    loss and gradients of the plain model within FP8's rounding."""
+    plain = tiny(family).to(torch.bfloat16)
+    fp8 = copy.deepcopy(plain)
+    perf = fastpaths.Perf(False, "sdpa", 0, False, fp8="tensorwise")
+    applied = fastpaths.apply(fp8, perf)
+    chosen = {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"}
+    converted = {name for name, m in fp8.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == chosen and applied.fp8_linears == 2
+    assert "FP8 tensorwise on 2 linears" in applied.describe()
+    assert [n for n, _ in fp8.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    x = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for model in (plain, fp8):
+        loss = TrainingLM(model, ce_chunk=0)(x[:, :-1], x[:, 1:])
+        loss.backward()
+        grads.append((loss.detach(), model.model.layers[0].mlp.gate_proj.weight.grad.float()))
+    (loss_p, grad_p), (loss_f, grad_f) = grads
+    assert loss_f == pytest.approx(loss_p.item(), rel=1e-2)
+    # e4m3 keeps 3 mantissa bits: a few percent of the gradient's norm, not its direction.
+    gap = (grad_f - grad_p).norm() / grad_p.norm()
+    assert 0 < gap < 0.1, gap.item()
+
+
+def test_fp8_refusals_name_the_key(monkeypatch):
+    on = {"fp8": "tensorwise"}
+    assert fastpaths.resolve({"fp8": False}, "cuda").fp8 == "off"
+    assert fastpaths.resolve(on, "cuda", zero_stage=2).fp8 == "tensorwise"
+    with pytest.raises(UsageError, match=r"^train\.perf\.fp8: tensorwise needs train\.precision"):
+        fastpaths.resolve(on, "cuda", precision="fp16")
+    with pytest.raises(
+        UsageError, match=r"^train\.perf\.fp8: tensorwise is not supported with ZeRO-3"
+    ):
+        fastpaths.resolve(on, "cuda", zero_stage=3)
+    with pytest.raises(
+        UsageError, match=r"^train\.perf\.fp8: rowwise is not supported with train\.finetune: lora"
+    ):
+        check_fp8("rowwise", "lora", "cpu")
+    a100 = {"index": 0, "name": "NVIDIA A100-SXM4-80GB", "capability": [8, 0]}
+    h200 = {"index": 0, "name": "NVIDIA H200", "capability": [9, 0]}
+    float8.check_gpus("tensorwise", [h200])
+    with pytest.raises(
+        UsageError, match=r"GPU 0 \(NVIDIA A100-SXM4-80GB\) is 8\.0; set train\.perf\.fp8: false"
+    ):
+        float8.check_gpus("tensorwise", [h200, a100])
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # not installed
+    with pytest.raises(UsageError, match=r"needs torchao, which is not installed; pip install"):
+        float8.convert(torch.nn.Linear(16, 16), "tensorwise", emulate=True)
+
+
+@pytest.mark.slow
+def test_fp8_run_trains_checkpoints_and_exports_plain_weights(prepared, tmp_path):
+    """The train stage with train.perf.fp8 (emulated on CPU ranks, ZeRO-2): the log names the
+    FP8 linears, the loss falls, and the exported model is plain HF (no float8 modules)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    repo = tmp_path / "repo"
+    shutil.copytree(prepared, repo)
+    overlay = tiny_run(2, 8, zero_stage=2, perf={"fp8": "tensorwise"})
+    overlay["model"]["overrides"] = WIDE_MLP
+    update_params(repo, overlay)
+    out = dsflow("train", cwd=repo, timeout=900)
+    assert "FP8 tensorwise on 2 linears" in out.stderr
+    rows = (repo / "dvclive/plots/metrics/train/loss.tsv").read_text().splitlines()[1:]
+    loss = [float(r.split("\t")[1]) for r in rows]
+    assert len(loss) == 8 and loss[-1] < loss[0]
+    assert json.loads((repo / "metrics/train.json").read_text())["step"] == 8
+    model = AutoModelForCausalLM.from_pretrained(repo / "models/final")
+    assert type(model.model.layers[0].mlp.gate_proj) is torch.nn.Linear
