@@ -329,10 +329,10 @@ def planned_vs_measured(r: dict) -> str:
     )
 
 
-def flops_per_token(config: dict) -> float:
-    return flops.flops_per_token(
-        model_config(config["preset"], vocab_size(), config["overrides"]), SEQ
-    )
+def flops_per_token(config: dict, frozen: bool = False) -> float:
+    """As the train stage counts them; `frozen`: LoRA (no weight gradients of the base)."""
+    model = model_config(config["preset"], vocab_size(), config["overrides"])
+    return flops.flops_per_token(model, SEQ, frozen=frozen)
 
 
 def smoothed(curve: dict[int, float], steps: list[int], width: int = SMOOTH) -> list[float]:
@@ -412,10 +412,10 @@ def run_config(
     it finishes. A variant's step time is the median over its rounds; its losses are those of
     its first round that finished. `peaks` = (datasheet, measured) TFLOP/s: MFU and MFU of achievable."""
     config = CONFIGS[cname]
-    fpt = flops_per_token(config)
 
-    def mfus(step_s: float) -> tuple:  # (tokens/s, MFU, MFU of achievable) at this step time
+    def mfus(step_s: float, vname: str) -> tuple:  # (tokens/s, MFU, of achievable) at this step
         tps = MICRO * SEQ / step_s
+        fpt = flops_per_token(config, frozen=variant(vname).get("finetune") == "lora")
         return (tps, *(tps * fpt / (p * 1e12) if p else None for p in peaks))
 
     runs = results["runs"][cname] = {}
@@ -433,8 +433,10 @@ def run_config(
             first = runs.setdefault(vname, {**r, "step_s_rounds": {}})
             first["step_s_rounds"][round_] = r["step_s"]
             first["step_s"] = statistics.median(first["step_s_rounds"].values())
-            first["tokens_per_s"], first["mfu"], first["mfu_of_achievable"] = mfus(first["step_s"])
-            tps, mfu, achv = mfus(r["step_s"])  # this round's
+            first["tokens_per_s"], first["mfu"], first["mfu_of_achievable"] = mfus(
+                first["step_s"], vname
+            )
+            tps, mfu, achv = mfus(r["step_s"], vname)  # this round's
             print(
                 f"  {name}: {tps:,.0f} tok/s, MFU {percent(mfu)} ({percent(achv)} of "
                 f"achievable), step {1e3 * r['step_s']:.1f} ms, peak {r['peak_gb']:.1f} GB, "

@@ -87,7 +87,7 @@ def run_bench(bench, monkeypatch, tmp_path, curves: dict, variants: str, *more, 
     monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
     what = "H200 SXM datasheet dense bf16 peak 989.5 TFLOP/s"
     monkeypatch.setattr(bench, "datasheet_peak_tflops", lambda: (989.5, what))
-    monkeypatch.setattr(bench, "flops_per_token", lambda config: 1.2e9)
+    monkeypatch.setattr(bench, "flops_per_token", lambda config, frozen=False: 1.2e9)
     argv = ["x", "--configs", "dense", "--variants", variants, "--out", str(tmp_path), *more]
     monkeypatch.setattr(sys, "argv", argv)
     return bench.main()
@@ -239,7 +239,7 @@ def test_each_run_prints_the_planned_against_the_measured_peak(
     monkeypatch.setattr(bench, "run_stage", with_memory)
     monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
     monkeypatch.setattr(bench, "datasheet_peak_tflops", lambda: (989.5, "datasheet"))
-    monkeypatch.setattr(bench, "flops_per_token", lambda config: 1.2e9)
+    monkeypatch.setattr(bench, "flops_per_token", lambda config, frozen=False: 1.2e9)
     argv = ["x", "--configs", "dense", "--variants", "baseline,dsflow", "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()

@@ -136,6 +136,14 @@ def test_fused_cross_entropy_equals_the_full_one(chunk):
         torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk), reference)
     with pytest.raises(ValueError):
         linear_cross_entropy(hidden, weight, targets, 0)
+    # A frozen lm_head (LoRA): the same hidden gradient, and no weight gradient made or kept.
+    frozen = weight.detach()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fused = linear_cross_entropy(hidden, frozen, targets, chunk)
+    assert [tuple(t.shape) for t in saved] == [tuple(hidden.shape)]
+    (grad_hidden,) = torch.autograd.grad(3 * fused, (hidden,))
+    torch.testing.assert_close(grad_hidden, grads[0], rtol=1e-10, atol=1e-12)
 
 
 def test_fused_cross_entropy_takes_a_loss_scale_beyond_the_16_bit_range():

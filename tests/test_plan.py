@@ -15,6 +15,7 @@ import torch
 from dsflow import machine
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
+from dsflow.model import lora
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.flops import flops_per_token
 from dsflow.model.loss import TrainingLM, mean_loss
@@ -171,16 +172,21 @@ def test_saved_activations_with_the_fused_loss_match_autograd(precision):
     assert predicted["peak_no_checkpointing"] != full["peak_no_checkpointing"]
 
 
-def _saved_with_fast_paths(config, compiled: bool) -> int:
+def _saved_with_fast_paths(config, compiled: bool, adapters: dict | None = None) -> int:
     """What autograd saves (parameters excluded) with the train stage's CUDA fast paths on CPU:
     sorted experts, padded flash attention, the fused loss, router hooks traced; `compiled`:
-    every decoder layer through torch.compile. Counted on the second call (cached graphs)."""
+    every decoder layer through torch.compile; `adapters`: train.lora's setting, the base frozen
+    (all in bf16, as the fused optimizer holds them). Counted on the second call (cached graphs)."""
     from dsflow.model import fastpaths
     from dsflow.model.build import build_model
 
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = build_model(copy.deepcopy(config), device_type="cpu").to(torch.bfloat16).train()
+    model = build_model(copy.deepcopy(config), device_type="cpu")
+    if adapters:
+        model.requires_grad_(False)
+        lora.attach(model, adapters)
+    model = model.to(torch.bfloat16).train()
     balancer = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=1e-4)
     perf = fastpaths.Perf(compiled, "flash_padded", 37, False, experts="sorted")
     fastpaths.apply(model, perf, balancer)
@@ -207,6 +213,28 @@ def test_compiled_layers_save_what_the_plan_says():
             config, seq_len=64, micro_batch=2, precision="bf16", ce_chunk=37, compiled=compiled
         )
         assert predicted["saved_no_checkpointing"] == pytest.approx(measured, rel=0.05), compiled
+
+
+def test_lora_saved_activations_match_autograd():
+    """LoRA without the `experts` target: the routed experts are frozen, so autograd keeps
+    only what their input gradients need (Setup.frozen_experts); the parameter adapters' W + B A
+    copies are kept for backward (lora_merged)."""
+    setting = {
+        "rank": 8,
+        "alpha": 16,
+        "dropout": 0.0,
+        "targets": ["attention", "dense_mlp", "shared_experts"],
+    }
+    config = model_config("tiny", 1000, {})
+    measured = _saved_with_fast_paths(config, compiled=False, adapters=setting)
+    predicted = memory.activation_bytes(
+        config, seq_len=64, micro_batch=2, precision="bf16", ce_chunk=37, frozen_experts=True,
+        frozen_base=True,
+    )  # fmt: skip
+    merged = 2 * lora.counts(config, setting)["merged"]
+    assert predicted["saved_no_checkpointing"] + merged == pytest.approx(measured, rel=0.02)
+    full = memory.activation_bytes(config, seq_len=64, micro_batch=2, precision="bf16", ce_chunk=37)
+    assert predicted["layer_moe"] < full["layer_moe"]
 
 
 def test_activation_checkpointing_reduces_activations():

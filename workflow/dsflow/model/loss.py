@@ -43,39 +43,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk):
         n = hidden.shape[0]
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # A frozen lm_head (LoRA) gets no gradient: neither its GEMM nor its fp32 buffer.
+        needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 for bf16 inputs
         total = torch.zeros((), dtype=acc, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if needs_grad else None
-        grad_weight = torch.zeros_like(weight, dtype=acc) if needs_grad else None
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if needs_weight else None
         for start in range(0, n, chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
             logits = (h @ weight.t()).to(acc)
             lse = torch.logsumexp(logits, dim=-1)
             total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            if needs_grad:
+            if needs_hidden or needs_weight:
                 # d(sum of NLL)/d logits = softmax - one_hot(target), scaled to the mean
                 grad = torch.exp_(logits.sub_(lse[:, None]))
                 grad[torch.arange(len(t), device=t.device), t] -= 1.0
                 grad = grad.mul_(1.0 / n).to(hidden.dtype)
-                grad_hidden[start : start + chunk] = grad @ weight
-                grad_weight += (grad.t() @ h).to(acc)
-        if needs_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight)
+                if needs_hidden:
+                    grad_hidden[start : start + chunk] = grad @ weight
+                if needs_weight:
+                    grad_weight += (grad.t() @ h).to(acc)
+        ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total / n
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
-        # Scale in fp32, then cast: grad_output may be a loss scale beyond the 16-bit range.
-        acc = torch.promote_types(grad_hidden.dtype, torch.float32)
-        return (
-            (grad_hidden.to(acc) * grad_output.to(acc)).to(grad_hidden.dtype),
-            (grad_weight * grad_output).to(ctx.weight_dtype),
-            None,
-            None,
-        )
+        if grad_hidden is not None:
+            # Scale in fp32, then cast: grad_output may be a loss scale beyond the 16-bit range.
+            acc = torch.promote_types(grad_hidden.dtype, torch.float32)
+            grad_hidden = (grad_hidden.to(acc) * grad_output.to(acc)).to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None
 
 
 def linear_cross_entropy(

@@ -152,6 +152,9 @@ class Setup:
     lora_adapter: int = 0
     lora_merged: int = 0
     lora_merged_layer: int = 0  # the same in the decoder layer that has the most
+    # LoRA without the `experts` target: the routed experts' weights get no gradient, so
+    # autograd keeps none of what only a weight gradient reads (activation_bytes).
+    frozen_experts: bool = False
     ce_chunk: int = 0  # train.perf.ce_chunk as resolved: 0 = the full fp32 logits
     compiled: bool = False  # train.perf.compile as resolved; no layout compiles at ZeRO-3
     # train.perf.compile: true: the train stage refuses ZeRO-3 then, so no plan offers it.
@@ -242,17 +245,17 @@ def bytes_per_element(precision: str) -> int:
 
 def _norm(width: int, a: int) -> int:
     """RMSNorm per token: its fp32 input copy + the normalized 16-bit tensor (the output is its
-    consumer's)."""
+    consumer's), which only the norm's weight gradient reads: `a` = 0 for a frozen norm."""
     return (4 + a) * width
 
 
-def _attention_per_token(config: Any, d: dict[str, int], a: int) -> int:
+def _attention_per_token(config: Any, d: dict[str, int], a: int, norm_a: int) -> int:
     heads = d["heads"]
-    q = (_norm(d["q_lora"], a) + a * d["q_lora"]) if config.q_lora_rank else 0
+    q = (_norm(d["q_lora"], norm_a) + a * d["q_lora"]) if config.q_lora_rank else 0
     return (
         a * d["H"]  # input of q/kv_a projections (the norm output)
         + q  # q_a_layernorm + q_b_proj input
-        + _norm(d["kv_lora"], a)
+        + _norm(d["kv_lora"], norm_a)
         + a * d["kv_lora"]  # kv_a_layernorm + kv_b_proj input
         + 2 * a * heads * d["qk"]  # query and key states (SDPA inputs)
         + a * heads * (d["nope"] + d["v"])  # kv_b_proj output, kept alive by the value view
@@ -261,19 +264,25 @@ def _attention_per_token(config: Any, d: dict[str, int], a: int) -> int:
     )
 
 
-def _mlps_per_token(d: dict[str, int], a: int, seq_aux: bool) -> tuple[int, int]:
-    """(dense MLP, MoE MLP) bytes per token, each with its post-attention norm."""
+def _mlps_per_token(
+    d: dict[str, int], a: int, seq_aux: bool, frozen_experts: bool = False, frozen_base=False
+) -> tuple[int, int]:
+    """(dense MLP, MoE MLP) bytes per token, each with its post-attention norm. Per routed
+    (token, expert) pair autograd keeps the permuted input twice and four expert-width
+    tensors; with `frozen_experts` one of each fewer: the gate/up GEMM's input and the down
+    GEMM's input are kept only for their weights' gradients (measured on CPU, tests/test_plan.py)."""
     H, K, E = d["H"], d["K"], d["E"]
-    post_norm = _norm(H, a) + a * H
+    post_norm = _norm(H, 0 if frozen_base else a) + a * H
     dense_mlp = post_norm + 4 * a * d["inter"]
     router = (
-        (4 * H if a < 4 else 0)  # fp32 copy of the router input
+        (4 * H if a < 4 and not frozen_base else 0)  # fp32 router input, for its gradient
         + 4 * E  # sigmoid scores
         + (4 * E if seq_aux else 0)  # the balancer's sequence-wise aux-loss scores
         + E  # group mask (bool)
         + 24 * K  # top-k indices, weights, normalisation
     )
-    routed = K * (a * (2 * H + 4 * d["mi"]) + 4 + 24)
+    inputs, widths = (1, 3) if frozen_experts else (2, 4)
+    routed = K * (a * (inputs * H + widths * d["mi"]) + 4 + 24)
     shared = 4 * a * d["mi"] * d["shared"]
     return dense_mlp, post_norm + router + routed + shared
 
@@ -287,11 +296,16 @@ def activation_bytes(
     seq_aux: bool = True,
     ce_chunk: int = 0,
     compiled: bool = False,
+    frozen_experts: bool = False,
+    frozen_base: bool = False,
 ) -> dict[str, Any]:
     """Activation memory of one micro batch, without and with activation checkpointing.
     ``ce_chunk`` > 0: the fused lm_head + cross-entropy (dsflow.model.loss) over chunks of that
     many tokens instead of the full fp32 logits. ``compiled``: the decoder layers compiled
-    (:data:`COMPILED_LAYERS` of the eager layers' activations).
+    (:data:`COMPILED_LAYERS` of the eager layers' activations). ``frozen_experts``: the routed
+    experts' weights do not train (LoRA without the `experts` target); ``frozen_base``: LoRA,
+    where the lm_head and the routers never train, so the fused loss makes and keeps no
+    gradient for the lm_head, no router keeps its fp32 input and no norm its 16-bit output.
 
     ``saved_*`` is what autograd keeps between forward and backward (what
     ``torch.autograd.graph.saved_tensors_hooks`` sees, parameters excluded); ``peak_*`` adds the
@@ -302,10 +316,11 @@ def activation_bytes(
     T = micro_batch * seq_len
     H, V, K, E = d["H"], d["V"], d["K"], d["E"]
 
-    attention = _attention_per_token(config, d, a)
-    dense_mlp, moe_mlp = _mlps_per_token(d, a, seq_aux)
-    per_tok_dense = _norm(H, a) + attention + dense_mlp
-    per_tok_moe = _norm(H, a) + attention + moe_mlp
+    norm_a = 0 if frozen_base else a  # the norms' 16-bit copies are for their weights' gradients
+    attention = _attention_per_token(config, d, a, norm_a)
+    dense_mlp, moe_mlp = _mlps_per_token(d, a, seq_aux, frozen_experts, frozen_base)
+    per_tok_dense = _norm(H, norm_a) + attention + dense_mlp
+    per_tok_moe = _norm(H, norm_a) + attention + moe_mlp
     rope_per_layer = a * d["rope"] * seq_len  # cos/sin in the activation dtype, per position
     router_weight = 4 * E * H if a < 4 else 0  # fp32 copy of the router weight, per MoE layer
     share = COMPILED_LAYERS if compiled else 1.0
@@ -313,11 +328,11 @@ def activation_bytes(
     layer_moe = int(share * per_tok_moe * T) + rope_per_layer + router_weight
     layers = d["n_dense"] * layer_dense + d["n_moe"] * layer_moe
     embed = 24 * T + 8 * d["rope"] * seq_len  # ids, targets, embedding indices; fp32 cos/sin
-    head = (_norm(H, a) + a * H) * T  # final norm + lm_head input
+    head = (_norm(H, norm_a) + a * H) * T  # final norm + lm_head input
     logits_saved = 4 * V * T  # fp32 log_softmax output
     logits_peak = 12 * V * T  # backward: saved output + grad in + grad out, all fp32
     if ce_chunk:
-        head, logits_saved, logits_peak = _fused_head(d, a, T, min(ce_chunk, T))
+        head, logits_saved, logits_peak = _fused_head(d, a, T, min(ce_chunk, T), frozen_base)
     # grouped_mm: routing-weighted expert outputs are fp32 (bf16 x fp32 scores) and are
     # un-permuted into a second fp32 copy: transient, one layer at a time (backward: their grads).
     moe_transient = (8 * H * K * T) if d["n_moe"] else 0
@@ -351,16 +366,19 @@ def activation_bytes(
     }
 
 
-def _fused_head(d: dict[str, int], a: int, T: int, chunk: int) -> tuple[int, int, int]:
+def _fused_head(
+    d: dict[str, int], a: int, T: int, chunk: int, frozen: bool = False
+) -> tuple[int, int, int]:
     """(head, saved, peak) bytes of the fused lm_head + cross-entropy: the gradients are made
     in the forward pass, one chunk of fp32 logits at a time, and kept for backward instead of
-    any logits: the hidden states' (16-bit) and the lm_head weight's (fp32). The peak adds one
-    chunk's fp32 logits and their 16-bit gradient, and the weight gradient's 16-bit product
-    and its fp32 copy while it is added in."""
+    any logits: the hidden states' (16-bit) and the lm_head weight's (fp32; none when `frozen`).
+    The peak adds one chunk's fp32 logits and their 16-bit gradient, and the weight gradient's
+    16-bit product and its fp32 copy while it is added in."""
     H, V = d["H"], d["V"]
-    saved = a * H * T + 4 * V * H
-    peak = saved + (4 + a) * chunk * V + (a + 4) * V * H
-    return _norm(H, a) * T, saved, peak
+    weight_grad = 0 if frozen else 4 * V * H
+    saved = a * H * T + weight_grad
+    peak = saved + (4 + a) * chunk * V + (0 if frozen else (a + 4) * V * H)
+    return _norm(H, 0 if frozen else a) * T, saved, peak
 
 
 # --------------------------------------------------------------------------- estimate
@@ -487,6 +505,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "nodes": setup.nodes,
         "vocab_size": int(config.vocab_size),
         "lora_adapter": setup.lora_adapter,
+        "frozen_experts": setup.frozen_experts,
         "ce_chunk": setup.ce_chunk,
         "compiled": setup.compiles,
     }
@@ -515,6 +534,8 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         seq_aux=setup.seq_aux,
         ce_chunk=setup.ce_chunk,
         compiled=setup.compiles,
+        frozen_experts=setup.frozen_experts,
+        frozen_base=setup.lora_adapter > 0,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
     # Parameter adapters' W + B A copies live from a layer's forward to its backward: every

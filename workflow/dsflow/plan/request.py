@@ -394,6 +394,7 @@ def _lora(train: dict, args: Any, config: Any, notes: list[str]) -> dict[str, in
         "lora_adapter": sizes["adapter"],
         "lora_merged": sizes["merged"],
         "lora_merged_layer": sizes["merged_layer"],
+        "frozen_experts": "experts" not in setting["targets"],
     }
 
 
