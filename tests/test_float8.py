@@ -17,9 +17,7 @@ from dsflow.model import fastpaths, float8
 from dsflow.model.build import build_model
 from dsflow.model.loss import TrainingLM
 from dsflow.model.presets import model_config
-from dsflow.train.stage import check_fp8
-
-Float8Linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
+from dsflow.params import deep_merge, read_yaml, validate
 
 VOCAB = 300
 # The tiny preset with a dense MLP wide enough for FP8 to pay (out_features > 1024): its
@@ -38,7 +36,8 @@ def tiny(family):
 @pytest.mark.parametrize("recipe", float8.RECIPES)
 def test_shapes_chosen_are_torchaos_own(recipe):
     """dsflow's shape rule is torchao's published one for the recipe (its auto filter)."""
-    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+    utils = pytest.importorskip("torchao.float8.float8_linear_utils")
+    _auto_filter_for_recipe = utils._auto_filter_for_recipe
 
     theirs = _auto_filter_for_recipe(recipe, filter_fqns=[])
     dims = [16, 24, 512, 1024, 1040, 2048, 2064, 4096, 4112, 8192]
@@ -53,6 +52,7 @@ def test_fp8_linears_train_like_bf16(family):
     """The chosen linears become float8 ones (the lm_head, the router and small layers stay);
     parameter names are unchanged (checkpoints, export); one bf16 forward/backward gives the
     loss and gradients of the plain model within FP8's rounding."""
+    Float8Linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
     plain = tiny(family).to(torch.bfloat16)
     fp8 = copy.deepcopy(plain)
     perf = fastpaths.Perf(False, "sdpa", 0, False, fp8="tensorwise")
@@ -79,16 +79,24 @@ def test_fp8_refusals_name_the_key(monkeypatch):
     on = {"fp8": "tensorwise"}
     assert fastpaths.resolve({"fp8": False}, "cuda").fp8 == "off"
     assert fastpaths.resolve(on, "cuda", zero_stage=2).fp8 == "tensorwise"
-    with pytest.raises(UsageError, match=r"^train\.perf\.fp8: tensorwise needs train\.precision"):
-        fastpaths.resolve(on, "cuda", precision="fp16")
+    for precision in ("fp16", "fp32"):
+        with pytest.raises(
+            UsageError, match=r"^train\.perf\.fp8: tensorwise needs train\.precision: bf16"
+        ):
+            fastpaths.resolve(on, "cuda", precision=precision)
     with pytest.raises(
         UsageError, match=r"^train\.perf\.fp8: tensorwise is not supported with ZeRO-3"
     ):
         fastpaths.resolve(on, "cuda", zero_stage=3)
+    lora = {
+        "model": {"pretrained": "org/model"},
+        "train": {"finetune": "lora", "perf": {"fp8": "rowwise"}},
+    }
     with pytest.raises(
-        UsageError, match=r"^train\.perf\.fp8: rowwise is not supported with train\.finetune: lora"
+        UsageError,
+        match=r"^params\.yaml: train\.perf\.fp8: rowwise is not supported with train\.finetune: lora",
     ):
-        check_fp8("rowwise", "lora", "cpu")
+        validate(deep_merge(read_yaml("params.yaml"), lora))
     a100 = {"index": 0, "name": "NVIDIA A100-SXM4-80GB", "capability": [8, 0]}
     h200 = {"index": 0, "name": "NVIDIA H200", "capability": [9, 0]}
     float8.check_gpus("tensorwise", [h200])
@@ -102,16 +110,17 @@ def test_fp8_refusals_name_the_key(monkeypatch):
 
 
 @pytest.mark.slow
-def test_fp8_run_trains_checkpoints_and_exports_plain_weights(prepared, tmp_path):
-    """The train stage with train.perf.fp8 (emulated on CPU ranks, ZeRO-2): the log names the
-    FP8 linears, the loss falls, and the exported model is plain HF (no float8 modules)."""
+def test_fp8_run_trains_and_exports_plain_weights(prepared, tmp_path):
+    """The train stage with train.perf.fp8 (emulated on CPU ranks, ZeRO-2, bf16): the log names
+    the FP8 linears, the loss falls, and models/final holds exactly a plain model's weights."""
     import shutil
 
     from transformers import AutoModelForCausalLM
 
+    pytest.importorskip("torchao.float8")
     repo = tmp_path / "repo"
     shutil.copytree(prepared, repo)
-    overlay = tiny_run(2, 8, zero_stage=2, perf={"fp8": "tensorwise"})
+    overlay = tiny_run(2, 8, zero_stage=2, precision="bf16", perf={"fp8": "tensorwise"})
     overlay["model"]["overrides"] = WIDE_MLP
     update_params(repo, overlay)
     out = dsflow("train", cwd=repo, timeout=900)
@@ -120,5 +129,8 @@ def test_fp8_run_trains_checkpoints_and_exports_plain_weights(prepared, tmp_path
     loss = [float(r.split("\t")[1]) for r in rows]
     assert len(loss) == 8 and loss[-1] < loss[0]
     assert json.loads((repo / "metrics/train.json").read_text())["step"] == 8
-    model = AutoModelForCausalLM.from_pretrained(repo / "models/final")
+    model, info = AutoModelForCausalLM.from_pretrained(
+        repo / "models/final", output_loading_info=True
+    )
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     assert type(model.model.layers[0].mlp.gate_proj) is torch.nn.Linear

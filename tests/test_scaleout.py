@@ -148,6 +148,11 @@ def test_auto_picks_the_cheapest_layout_that_fits():
         layouts.auto_layout(compiled, 3, "cuda", 4 * gb, host)
     msg = str(exc.value)
     assert "train.perf.compile: true rules out ZeRO-3" in msg and "cheapest fit: ZeRO-3" not in msg
+    # train.perf.fp8 is refused at ZeRO-3 too: the same ladder, the message names it.
+    fp8 = params_mod.deep_merge(medium, {"train": {"perf": {"fp8": "tensorwise"}}})
+    assert layouts.auto_layout(fp8, 3, "cuda", 8 * gb, host)[:3] == (2, True, False)
+    with pytest.raises(UsageError, match="train.perf.fp8: tensorwise rules out ZeRO-3"):
+        layouts.auto_layout(fp8, 3, "cuda", 4 * gb, host)
     par_compiled = params_mod.deep_merge(par, {"train": {"perf": {"compile": True}}})
     with pytest.raises(UsageError, match="train.offload.param: cpu needs ZeRO-3"):
         layouts.auto_layout(par_compiled, 3, "cuda", 80 * gb, host)
@@ -325,6 +330,11 @@ def test_fingerprint_ignores_how_the_global_batch_is_split():
     assert ckpt.fingerprint(c, 12, "d") == ckpt.fingerprint(a, 12, "d")
     cpu_opt = params(gpus=3, micro_batch=2, grad_accum=2, offload={"optimizer": "cpu"})
     assert ckpt.fingerprint(cpu_opt, 12, "d") != ckpt.fingerprint(a, 12, "d")
+    # The fast paths do not count, except FP8 (its matmuls round otherwise), and only when on.
+    fast = params(gpus=3, micro_batch=2, grad_accum=2, perf={"compile": False, "fp8": False})
+    assert ckpt.fingerprint(fast, 12, "d") == ckpt.fingerprint(a, 12, "d")
+    fp8 = params(gpus=3, micro_batch=2, grad_accum=2, perf={"fp8": "tensorwise"})
+    assert ckpt.fingerprint(fp8, 12, "d") != ckpt.fingerprint(a, 12, "d")
 
 
 @pytest.mark.parametrize(

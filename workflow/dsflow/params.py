@@ -137,10 +137,21 @@ def validate(params: dict, source: str = "params.yaml") -> dict:
 
 def check_finetune(params: dict, source: str) -> None:
     """LoRA adapts an existing model: it needs one to load and freeze."""
-    if params["train"]["finetune"] == "lora" and not params["model"]["pretrained"]:
+    train = params["train"]
+    if train["finetune"] != "lora":
+        return
+    if not params["model"]["pretrained"]:
         raise UsageError(
             f"{source}: train.finetune: lora needs model.pretrained (the checkpoint whose weights "
             "stay frozen); set model.pretrained, or train.finetune: full to train every weight"
+        )
+    fp8 = (train.get("perf") or {}).get("fp8")
+    if fp8:
+        # torchao's float8 linear forms the weight gradient whether or not the weight
+        # trains: under LoRA that is a frozen base's wasted GEMM per linear.
+        raise UsageError(
+            f"{source}: train.perf.fp8: {fp8} is not supported with train.finetune: lora (the "
+            "frozen base weights' gradients would still be computed); set train.perf.fp8: false"
         )
 
 

@@ -180,11 +180,11 @@ def fp8_choice(perf: dict, zero_stage: int, precision: str) -> str:
     recipe = perf.get("fp8") or "off"  # false (YAML's off too) = off
     if recipe == "off":
         return recipe
-    if precision == "fp16":
+    if precision != "bf16":
         # torchao scales each tensor into FP8 itself; fp16's dynamic loss scale is untested
-        # with it, and bf16 needs no loss scale.
+        # with it, and its rowwise GEMM has no fp32 output below SM90.
         raise UsageError(
-            f"train.perf.fp8: {recipe} needs train.precision bf16 (or fp32), not fp16; "
+            f"train.perf.fp8: {recipe} needs train.precision: bf16 (this run has {precision}); "
             "set train.precision: bf16 or train.perf.fp8: false"
         )
     if zero_stage == 3:

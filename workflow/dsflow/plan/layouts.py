@@ -321,7 +321,7 @@ def cheapest_fit(
     Order: as configured; activation checkpointing; micro batch halved down to 1; ZeRO-3;
     optimizer offload; parameter offload; with ``nvme`` both offloads to NVMe (each memory
     layout retried with checkpointing and smaller micro batches; no ZeRO-3 layout where the
-    layers must compile, ``compile_required``); then smaller presets (one row
+    setup rules it out, ``no_zero3``); then smaller presets (one row
     each, its cheapest strategy). A strategy fits when the GPU, the host RAM and the disk
     (``disk_free_bytes``, for ``checkpoints`` checkpoints) hold it; None is not checked. Every
     strategy counts the balancer's aux-loss scores (``seq_aux``), whatever ``setup`` says.
@@ -334,7 +334,7 @@ def cheapest_fit(
     ladder = [
         dataclasses.replace(base.layout(z, o, p, d), activation_checkpointing=c, micro_batch=m)
         for z, o, p, d, c, m in _ladder(first, setup.activation_checkpointing, micro, nvme)
-        if not (setup.compile_required and z == 3)
+        if not (setup.no_zero3 and z == 3)
     ]
     rows: list[dict[str, Any]] = []
     for s in ladder:
@@ -600,7 +600,7 @@ def layout_order(req: request.Request) -> list[tuple[int, bool, bool]]:
         order = [(first, False, False), (2, True, False), (3, True, False), (3, True, True)]
     else:
         order = [(first, False, False), (3, False, False), (3, True, False), (3, True, True)]
-    if req.compile_required:
+    if req.no_zero3:
         order = [o for o in order if o[0] != 3 and o != (2, True, False)]
         order += [(2, False, False), (2, True, False)]
     return list(dict.fromkeys(order))
@@ -610,10 +610,10 @@ def first_fit(req: request.Request, host_mem_bytes: int | None) -> tuple[memory.
     """(setup, estimate, why) of the first layout `auto` tries that fits, in cost order from
     ``req``'s layout (its first stage); a UsageError names the cheapest fit when none does."""
     want_opt, want_par = req.offload_optimizer, req.offload_params
-    if req.compile_required and want_par:
+    if req.no_zero3 and want_par:
         raise UsageError(
-            "train.offload.param: cpu needs ZeRO-3, which train.perf.compile: true rules out; "
-            "set train.perf.compile: auto (or false), or train.offload.param: none"
+            f"train.offload.param: cpu needs ZeRO-3, which {req.no_zero3} rules out; "
+            f"change {req.no_zero3.split(':')[0]}, or set train.offload.param: none"
         )
     order = layout_order(req)
     reason = ""
@@ -630,14 +630,14 @@ def first_fit(req: request.Request, host_mem_bytes: int | None) -> tuple[memory.
     )
     rec = recommendation(rows)
     hint = f"cheapest fit: {rec['strategy']}" if rec else "nothing fits, not even smaller presets"
-    last = "ZeRO-2" if req.compile_required else "ZeRO-3"
+    last = "ZeRO-2" if req.no_zero3 else "ZeRO-3"
     msg = (
         f"train.zero_stage: auto: no ZeRO layout fits {req.preset} at micro batch "
         f"{req.micro_batch} on {req.world} GPU(s) ({last} with CPU offload {reason}); {hint}; "
         "see python -m dsflow plan"
     )
-    if req.compile_required:
-        msg += "; train.perf.compile: true rules out ZeRO-3 (auto compiles where it can)"
+    if req.no_zero3:
+        msg += f"; {req.no_zero3} rules out ZeRO-3"
     raise UsageError(" ".join(msg.split()))
 
 

@@ -361,11 +361,12 @@ def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
     if precision == "fp16":
         perf["ce_chunk"] = 0
     chosen = fastpaths.resolve(perf, device, precision=precision)
-    return {
-        "ce_chunk": chosen.ce_chunk,
-        "compiled": chosen.compile,
-        "compile_required": perf.get("compile") is True,
-    }
+    fp8 = (train.get("perf") or {}).get("fp8")
+    # The train stage refuses ZeRO-3 with these (dsflow.model.fastpaths): no plan offers it.
+    no_zero3 = f"train.perf.fp8: {fp8}" if fp8 else ""
+    if perf.get("compile") is True:
+        no_zero3 = "train.perf.compile: true"
+    return {"ce_chunk": chosen.ce_chunk, "compiled": chosen.compile, "no_zero3": no_zero3}
 
 
 def _balance_loss(balance: dict, config: Any) -> bool:
@@ -380,7 +381,7 @@ def _balance_loss(balance: dict, config: Any) -> bool:
     return alpha is None or float(alpha) > 0
 
 
-def _lora(train: dict, args: Any, config: Any, notes: list[str]) -> dict[str, int]:
+def _lora(train: dict, args: Any, config: Any, notes: list[str]) -> dict[str, int | bool]:
     """The memory setup's LoRA sizes (``--finetune`` / train.finetune with train.lora)."""
     if (_arg(args, "finetune") or train.get("finetune", "full")) != "lora":
         return {}
@@ -394,6 +395,8 @@ def _lora(train: dict, args: Any, config: Any, notes: list[str]) -> dict[str, in
         "lora_adapter": sizes["adapter"],
         "lora_merged": sizes["merged"],
         "lora_merged_layer": sizes["merged_layer"],
+        "lora_rank_outputs": sizes["rank_outputs"],
+        "lora_rank_outputs_layer": sizes["rank_outputs_layer"],
         "frozen_experts": "experts" not in setting["targets"],
     }
 

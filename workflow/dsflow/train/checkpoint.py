@@ -72,7 +72,7 @@ RESUMABLE_KEYS = {
     "master_port",
     "force",
     "max_bad_steps",
-    "perf",  # fast paths change speed, not the math
+    "perf",  # fast paths change speed, not the math (but train.perf.fp8: see fingerprint)
     # where the ranks run, not what they compute
     "nodes",
     "node_rank",
@@ -97,6 +97,11 @@ def fingerprint(params: dict, global_batch: int, data_sha: str) -> str:
     train.pop("zero", None)
     if isinstance(train.get("offload"), dict):
         train["offload"] = {k: train["offload"].get(k) for k in ("optimizer", "param")}
+    # FP8 matmuls round differently from bf16 ones: a run resumes in the precision it trained
+    # in. Only when on, so that every run without it keeps its fingerprint.
+    fp8 = (params["train"].get("perf") or {}).get("fp8")
+    if fp8:
+        train["fp8"] = fp8
     blob = json.dumps(
         {
             "seed": params["seed"],

@@ -82,19 +82,6 @@ def check_lora(model: dict, setting: dict) -> None:
     lora.check(net, setting)
 
 
-def check_fp8(recipe: str, finetune: str, device: str) -> None:
-    """train.perf.fp8 against the run and this machine's GPUs, in one line."""
-    if finetune == "lora":
-        # torchao's float8 linear forms the weight gradient whether or not the weight trains:
-        # under LoRA that is a frozen base's wasted GEMM per linear.
-        raise UsageError(
-            f"train.perf.fp8: {recipe} is not supported with train.finetune: lora (the frozen "
-            "base weights' gradients would still be computed); set train.perf.fp8: false"
-        )
-    if device == "cuda":
-        float8.check_gpus(recipe, machine.gpus())
-
-
 def run_fingerprint(params: dict, global_batch: int, data_sha: str) -> str:
     """The fingerprint (ckpt.fingerprint) of a run spec's params: a pretrained checkpoint counts
     by what it is (org/name@commit, or a folder's content hash), not by the folder this machine
@@ -142,8 +129,8 @@ def resolve_run(params: dict) -> dict:
         world=world,
         user_config=bool(train["ds_config"]),
     )
-    if perf.fp8 != "off":
-        check_fp8(perf.fp8, train["finetune"], device)
+    if perf.fp8 != "off" and device == "cuda":
+        float8.check_gpus(perf.fp8, machine.gpus())
     if perf.optimizer == "fused":
         ds_config = dsconfig.for_client_optimizer(ds_config, built, train["ds_config"])
     # Every shard's sha256 is checked here, once, so a corrupted shard is one line naming the
