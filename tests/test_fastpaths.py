@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import tiny_v2
 from dsflow.data.shards import BatchLoader, ShardReader
@@ -119,6 +120,17 @@ def test_padded_attention_gives_the_same_logits(overrides, family):
     torch.testing.assert_close(padded, reference, rtol=1e-5, atol=1e-5)
 
 
+class _MatmulCount(TorchDispatchMode):
+    """Counts the matrix multiplications run inside it."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("chunk", [1000, 333, 7])
 def test_fused_cross_entropy_equals_the_full_one(chunk):
     torch.manual_seed(chunk)
@@ -132,8 +144,10 @@ def test_fused_cross_entropy_equals_the_full_one(chunk):
     torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)
     for got, want in zip(fused_grads, grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    with torch.no_grad():  # validation: no gradient work, same value
-        torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk), reference)
+    with torch.no_grad(), _MatmulCount() as matmuls:  # validation: no gradient work
+        value = linear_cross_entropy(hidden, weight, targets, chunk)
+    torch.testing.assert_close(value, reference)
+    assert matmuls.count == -(-1000 // chunk)  # the logits' matmul per chunk, nothing else
     with pytest.raises(ValueError):
         linear_cross_entropy(hidden, weight, targets, 0)
     # A frozen lm_head (LoRA): the same hidden gradient, and no weight gradient made or kept.

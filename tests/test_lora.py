@@ -227,8 +227,8 @@ def _plan(finetune: str):
 
 
 def test_the_write_ups_case_lora_fits_3x24gb_and_a_full_finetune_needs_offload():
-    """DeepSeek-V2-Lite on 3 x 24 GB with 128 GB of host RAM: LoRA fits at ZeRO-3 (with
-    activation checkpointing, all on the GPUs); a full fine-tune fits no layout there, and the
+    """DeepSeek-V2-Lite on 3 x 24 GB with 128 GB of host RAM: LoRA fits at ZeRO-3 (all on the
+    GPUs); a full fine-tune fits no layout there, and the
     smallest machine for it offloads the optimizer to far more host RAM."""
     lora_plan = _plan("lora")
     rec = lora_plan["recommendation"]

@@ -190,23 +190,30 @@ def counts(config: Any, lora: dict) -> dict[str, int]:
     """Analytic sizes for the planner: ``adapter``, the trainable parameters (what PEFT
     creates); ``merged``, the base weight elements that parameter adapters replace with
     W + B A in every forward, a copy that the matmul keeps for backward (``merged_layer``: in
-    the decoder layer with the most)."""
+    the decoder layer with the most); ``rank_outputs``, per token, the elements of the module
+    adapters' A outputs, which each keeps for its B's gradient (``rank_outputs_layer``: in one
+    decoder layer)."""
     from dsflow.model import presets
 
     d = presets._dims(config)
     shapes = _linears(d)
     adapter, merged = 0, {g: 0 for g, spec in GROUPS.items() if "parameters" in spec}
+    rank_outputs = 0
     for group in lora["targets"]:
         for fan_in, fan_out, copies in shapes[group]:
             adapter += lora["rank"] * (fan_in + fan_out) * copies
             if group in merged:
                 merged[group] += fan_in * fan_out * copies
+            else:
+                rank_outputs += lora["rank"] * copies
     moe_layer = (merged["shared_experts"] + merged["experts"]) // max(d["n_moe"], 1)
     dense_layer = merged["dense_mlp"] // max(d["n_dense"], 1)
     return {
         "adapter": adapter,
         "merged": sum(merged.values()),
         "merged_layer": max(moe_layer, dense_layer),
+        "rank_outputs": rank_outputs,
+        "rank_outputs_layer": rank_outputs // d["L"],
     }
 
 

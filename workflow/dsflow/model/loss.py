@@ -86,6 +86,10 @@ def linear_cross_entropy(
     to `F.cross_entropy(logits.float(), targets)` without materialising all N x V logits."""
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
+    if not torch.is_grad_enabled():
+        # The Function sees its inputs' requires_grad, not the grad mode: under no_grad it
+        # would still form every gradient.
+        hidden, weight = hidden.detach(), weight.detach()
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
 
 

@@ -152,13 +152,16 @@ class Setup:
     lora_adapter: int = 0
     lora_merged: int = 0
     lora_merged_layer: int = 0  # the same in the decoder layer that has the most
+    lora_rank_outputs: int = 0  # per token, the module adapters' A outputs (lora.counts)
+    lora_rank_outputs_layer: int = 0  # the same in one decoder layer
     # LoRA without the `experts` target: the routed experts' weights get no gradient, so
     # autograd keeps none of what only a weight gradient reads (activation_bytes).
     frozen_experts: bool = False
     ce_chunk: int = 0  # train.perf.ce_chunk as resolved: 0 = the full fp32 logits
     compiled: bool = False  # train.perf.compile as resolved; no layout compiles at ZeRO-3
-    # train.perf.compile: true: the train stage refuses ZeRO-3 then, so no plan offers it.
-    compile_required: bool = False
+    # The setting that makes the train stage refuse ZeRO-3 (train.perf.compile: true, or
+    # train.perf.fp8 on), so that no plan offers it; "" = none.
+    no_zero3: str = ""
 
     @property
     def ranks_per_node(self) -> int:
@@ -265,7 +268,11 @@ def _attention_per_token(config: Any, d: dict[str, int], a: int, norm_a: int) ->
 
 
 def _mlps_per_token(
-    d: dict[str, int], a: int, seq_aux: bool, frozen_experts: bool = False, frozen_base=False
+    d: dict[str, int],
+    a: int,
+    seq_aux: bool,
+    frozen_experts: bool = False,
+    frozen_base: bool = False,
 ) -> tuple[int, int]:
     """(dense MLP, MoE MLP) bytes per token, each with its post-attention norm. Per routed
     (token, expert) pair autograd keeps the permuted input twice and four expert-width
@@ -538,11 +545,16 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         frozen_base=setup.lora_adapter > 0,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
-    # Parameter adapters' W + B A copies live from a layer's forward to its backward: every
-    # layer's at once, or one recomputed layer's with activation checkpointing.
-    merged = setup.lora_merged_layer if setup.activation_checkpointing else setup.lora_merged
-    acts["lora_merged"] = bytes_per_element(setup.precision) * merged
-    work = _working_sets(P, shapes, acts[peak] + acts["lora_merged"], setup)
+    # Parameter adapters' W + B A copies and module adapters' A outputs live from a layer's
+    # forward to its backward: every layer's at once, or one recomputed layer's with
+    # activation checkpointing.
+    ckpt = setup.activation_checkpointing
+    a, T = bytes_per_element(setup.precision), acts["tokens"]
+    acts["lora_merged"] = a * (setup.lora_merged_layer if ckpt else setup.lora_merged)
+    ranks = setup.lora_rank_outputs_layer if ckpt else setup.lora_rank_outputs
+    acts["lora_rank_outputs"] = a * ranks * T
+    lora_acts = acts["lora_merged"] + acts["lora_rank_outputs"]
+    work = _working_sets(P, shapes, acts[peak] + lora_acts, setup)
     persistent = states["weights"] + states["gradients"] + states["optimizer"]
     fwd_bwd = sum(work.values())
     step = states["gradients_fp32_step"]
