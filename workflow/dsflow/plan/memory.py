@@ -518,6 +518,18 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
     }
 
 
+def _lora_activations(setup: Setup, tokens: int) -> dict[str, int]:
+    """Bytes of what LoRA's adapters keep for backward: the parameter adapters' W + B A copies
+    and the module adapters' A outputs, from a layer's forward to its backward; every layer's
+    at once, or one recomputed layer's with activation checkpointing."""
+    a, ckpt = bytes_per_element(setup.precision), setup.activation_checkpointing
+    ranks = setup.lora_rank_outputs_layer if ckpt else setup.lora_rank_outputs
+    return {
+        "lora_merged": a * (setup.lora_merged_layer if ckpt else setup.lora_merged),
+        "lora_rank_outputs": a * ranks * tokens,
+    }
+
+
 def estimate(config: Any, setup: Setup) -> dict[str, Any]:
     """Per-GPU (and host) bytes of training ``config`` laid out as ``setup``; see the module
     doc. ``gpu.total`` is the predicted peak (``max_memory_reserved`` + the fixed overhead).
@@ -545,14 +557,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         frozen_base=setup.lora_adapter > 0,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
-    # Parameter adapters' W + B A copies and module adapters' A outputs live from a layer's
-    # forward to its backward: every layer's at once, or one recomputed layer's with
-    # activation checkpointing.
-    ckpt = setup.activation_checkpointing
-    a, T = bytes_per_element(setup.precision), acts["tokens"]
-    acts["lora_merged"] = a * (setup.lora_merged_layer if ckpt else setup.lora_merged)
-    ranks = setup.lora_rank_outputs_layer if ckpt else setup.lora_rank_outputs
-    acts["lora_rank_outputs"] = a * ranks * T
+    acts.update(_lora_activations(setup, acts["tokens"]))
     lora_acts = acts["lora_merged"] + acts["lora_rank_outputs"]
     work = _working_sets(P, shapes, acts[peak] + lora_acts, setup)
     persistent = states["weights"] + states["gradients"] + states["optimizer"]
