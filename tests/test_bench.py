@@ -263,3 +263,32 @@ def test_fine_tuning_variants_continue_a_saved_random_init(bench, prepared, tmp_
     assert net.config.vocab_size == bench.vocab_size()
     assert (folder / "tokenizer.json").exists()
     assert bench.variant("lora") == {"finetune": "lora"}
+
+
+def test_time_to_quality_is_the_training_time_of_the_first_validation_at_the_target(
+    prepared, tmp_path, monkeypatch, capsys
+):
+    """bench/time_to_quality.py on a made-up run: val bits per byte from the logged val loss
+    and the val split's bytes per token, the first validation within the margin of the
+    builtin corpus's entropy floor, and the step times summed up to it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import time_to_quality as ttq
+
+    monkeypatch.chdir(prepared)
+    floor, per_token = ttq.entropy_floor(), ttq.bytes_per_token()
+    assert 0.2 < floor < 1.0 and 1.0 < per_token < 8.0  # the builtin corpus, its tokenizer
+    nats = lambda bpb: bpb * math.log(2) * per_token  # noqa: E731 - val loss at this bpb
+    run = {
+        "val_loss": {10: nats(3 * floor), 20: nats(1.05 * floor), 30: nats(1.01 * floor)},
+        "step_s": {s: 0.5 for s in range(1, 31)},
+        "wall_s": 40.0,
+    }
+    assert ttq.reached(run, 1.10 * floor, per_token) == (20, 10.0)
+    assert ttq.reached(run, 1.001 * floor, per_token) is None
+    monkeypatch.setattr(ttq, "run_variant", lambda name, args, out: run)
+    argv = ["x", "--variants", "dsflow", "--within", "0.1", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert ttq.main() == 0
+    assert "dsflow: step 20, 10.0 s of training" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "time_to_quality.json").read_text())
+    assert saved["runs"]["dsflow"]["reached"] == [20, 10.0]

@@ -1,0 +1,107 @@
+"""Time to quality on one GPU: wall-clock seconds of training until the val bits per byte is
+within a margin of the builtin corpus's entropy floor, for the stock path and dsflow's defaults.
+
+Each variant is the train stage (`python -m dsflow train`, as bench/train_throughput.py runs it:
+same data, seed, batch, sequence length and variants) with validation every `--eval-every`
+steps. A step's time is the wall time since the previous step ended, so validation and the
+first step's compilation are in it; the sum of the step times up to a validation is the run's
+training time at that point (the process start and model build before the first step are
+left out, and printed apart as the stage's wall time). Val bits per byte come from the logged
+val loss (nats per token over `eval_batches` windows) and the val split's bytes per token (its
+shard index); the floor is the builtin corpus's val entropy (data/raw/manifest.json), a true
+lower bound for any model of it.
+
+    python bench/time_to_quality.py --config dense --variants baseline,dsflow --within 0.10
+
+Needs data/raw, data/shards and data/tokenizer of the builtin corpus in the working directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import train_throughput as tt  # noqa: E402
+
+from dsflow.paths import MANIFEST, shard_index  # noqa: E402
+
+
+def entropy_floor() -> float:
+    """Bits per byte of the val split's generating process (the builtin corpus only)."""
+    manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
+    floor = manifest.get("splits", {}).get("val", {}).get("entropy_bits_per_byte")
+    if floor is None:
+        raise SystemExit(f"{MANIFEST}: no val entropy; this bench needs the builtin corpus")
+    return float(floor)
+
+
+def bytes_per_token() -> float:
+    index = json.loads(shard_index("val").read_text())
+    return index["bytes"] / index["tokens"]
+
+
+def reached(run: dict, target_bpb: float, per_token: float) -> tuple[int, float] | None:
+    """(step, training seconds) of the first validation at or under `target_bpb`, or None."""
+    for step in sorted(run["val_loss"]):
+        bpb = run["val_loss"][step] / math.log(2) / per_token
+        if bpb <= target_bpb:
+            seconds = sum(s for k, s in run["step_s"].items() if k <= step)
+            return step, seconds
+    return None
+
+
+def run_variant(name: str, args: argparse.Namespace, out: Path) -> dict:
+    overlay = tt.deep_merge(
+        tt.variant(name), {"eval_every": args.eval_every, "eval_batches": args.eval_batches}
+    )
+    r = tt.run_stage(f"ttq-{name}", tt.CONFIGS[args.config], overlay, args.steps, out, False)
+    if r.get("failed"):
+        return r
+    live = Path("dvclive/plots/metrics")
+    return {
+        **r,
+        "val_loss": tt.tsv(live / "val/loss.tsv", "loss"),
+        "step_s": tt.tsv(live / "perf/step_s.tsv", "step_s"),
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="dense", choices=sorted(tt.CONFIGS))
+    ap.add_argument("--variants", default="baseline,dsflow")
+    ap.add_argument("--within", type=float, default=0.10, help="margin over the floor")
+    ap.add_argument("--steps", type=int, default=1500, help="the longest a variant trains")
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--out", default="bench-out")
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    floor, per_token = entropy_floor(), bytes_per_token()
+    target = (1 + args.within) * floor
+    print(f"target: val {target:.4f} bits/byte ({floor:.4f} floor + {args.within:.0%})")
+    results = {"floor_bpb": floor, "target_bpb": target, "bytes_per_token": per_token, "runs": {}}
+    for name in args.variants.split(","):
+        print(f"running {name} ...", flush=True)
+        r = run_variant(name, args, out)
+        hit = None if r.get("failed") else reached(r, target, per_token)
+        results["runs"][name] = {**r, "reached": hit}
+        (out / "time_to_quality.json").write_text(json.dumps(results, indent=2))
+        if hit:
+            print(f"  {name}: step {hit[0]}, {hit[1]:.1f} s of training, stage {r['wall_s']:.0f} s")
+        else:
+            print(f"  {name}: not within {args.within:.0%} of the floor in {args.steps} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
