@@ -20,13 +20,16 @@ casts and scales with high-precision matmuls: slow, for tests only.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dsflow.errors import UsageError
 
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)
-SKIPPED = ("lm_head",)  # the fused cross-entropy multiplies by lm_head.weight itself
+# The fused cross-entropy multiplies by lm_head.weight itself; V2's router is a plain linear
+# named `gate` whose scores pick the experts.
+SKIPPED = ("lm_head", "gate")
 
 
 def worthwhile(out_features: int, in_features: int, recipe: str) -> bool:
@@ -52,8 +55,7 @@ def chosen(model: Any, recipe: str) -> list[str]:
 
 
 def _eligible(name: str, module: Any, recipe: str) -> bool:
-    last = name.rsplit(".", 1)[-1]
-    if last in SKIPPED or last == "gate":  # V2's router is a plain linear named `gate`
+    if name.rsplit(".", 1)[-1] in SKIPPED:
         return False
     return worthwhile(module.out_features, module.in_features, recipe)
 
@@ -73,8 +75,6 @@ def convert(model: Any, recipe: str, emulate: bool) -> int:
         return 0
     config = Float8LinearConfig.from_recipe_name(recipe)
     if emulate:
-        import dataclasses
-
         config = dataclasses.replace(config, emulate=True)
     convert_to_float8_training(
         model, config=config, module_filter_fn=lambda _module, fqn: fqn in names

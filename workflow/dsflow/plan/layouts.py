@@ -591,8 +591,9 @@ def fit_reason(zero_stage: int, est: dict, gpu_mem_bytes: int) -> str:
 
 def layout_order(req: request.Request) -> list[tuple[int, bool, bool]]:
     """(stage, offload optimizer, offload params) in the order `auto` tries them, from ``req``'s
-    first stage. Without ZeRO-3 when the layers must compile (train.perf.compile: true): then
-    ZeRO-2, and ZeRO-2 with the optimizer offloaded, follow the first stage."""
+    first stage. Without ZeRO-3 where a setting rules it out (``no_zero3``: train.perf.compile:
+    true, or train.perf.fp8): then ZeRO-2, and ZeRO-2 with the optimizer offloaded, follow the
+    first stage."""
     first = req.zero_stage
     if req.world == 1:
         # ZeRO-3 partitions nothing on one GPU: ZeRO-Offload (ZeRO-2, whose CPU offload is
@@ -652,8 +653,8 @@ def auto_layout(
     memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
     offload, + parameter offload (one GPU: ZeRO-1, then ZeRO-2 + optimizer offload, then
     ZeRO-3 with offload; ZeRO-0 first wherever train.perf.optimizer asks for the fused
-    optimizer; no ZeRO-3 where train.perf.compile is true), at the configured micro batch
-    (offload asked for in train.offload is kept). One GPU has nothing to partition, so ZeRO-0/1
+    optimizer; no ZeRO-3 where train.perf.compile is true or train.perf.fp8 on), at the
+    configured micro batch (offload asked for in train.offload is kept). One GPU has nothing to partition, so ZeRO-0/1
     hold what ZeRO-2 does, and ZeRO-1 handles its gradients without a hook per parameter in
     every backward: faster on one H200 (docs/performance.md). On CPU there is nothing to fit:
     ZeRO-2 (the fewest collectives).

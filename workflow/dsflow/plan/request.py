@@ -357,11 +357,12 @@ def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
     layers (`auto`: on CUDA; never at ZeRO-3, which :func:`memory.estimate` applies per layout)."""
     from dsflow.model import fastpaths
 
-    perf = {k: v for k, v in (train.get("perf") or {}).items() if k in ("ce_chunk", "compile")}
+    asked = train.get("perf") or {}
+    perf = {k: v for k, v in asked.items() if k in ("ce_chunk", "compile")}
     if precision == "fp16":
         perf["ce_chunk"] = 0
     chosen = fastpaths.resolve(perf, device, precision=precision)
-    fp8 = (train.get("perf") or {}).get("fp8")
+    fp8 = asked.get("fp8")
     # The train stage refuses ZeRO-3 with these (dsflow.model.fastpaths): no plan offers it.
     no_zero3 = f"train.perf.fp8: {fp8}" if fp8 else ""
     if perf.get("compile") is True:
