@@ -36,9 +36,16 @@ It prints tokens/s, MFU (useful FLOPs only: activated params + attention, no rec
 the GPU's datasheet dense bf16 peak (dsflow.model.flops, as the train stage reports it) and,
 beside it, against the measured matmul peak ("of achievable"), step time, peak memory,
 data-wait share, the planner's predicted reserved peak against torch.cuda.max_memory_reserved
-(the train stage's metrics/train.json holds both), and the ratio dsflow/baseline, and checks that the first 50 losses of the two
-agree within bf16 noise: dsflow's difference from the baseline may be at most twice the largest
-difference between two of the reference runs (baseline and noise runs; plus a small floor).
+(the train stage's metrics/train.json holds both), and the ratio dsflow/baseline, and checks
+that the first 50 losses of the two agree within bf16 noise: dsflow's difference from the
+baseline may be at most twice the largest difference between two of the reference runs
+(baseline and noise runs; plus a small floor).
+`--reference dsflow` measures the others against dsflow's defaults instead (its noise run:
+`no-flash`), and `--compare-steps` sets how many first losses are compared: FP8 against bf16,
+
+    python bench/train_throughput.py --configs dense,dense2048,dense4096 --steps 200 \
+        --variants dsflow,no-flash,fp8 --reference dsflow --compare-steps 200
+
 Needs data/shards and data/tokenizer (the data stages) in the working directory; writes $OUT
 (or --out).
 
@@ -168,7 +175,10 @@ NOISE = {
 }
 for _name, _change in NOISE.items():
     VARIANTS[_name] = {**VARIANTS["baseline"], "perf": {**VARIANTS["baseline"]["perf"], **_change}}
-REFERENCES = ("baseline", *NOISE)
+# The runs others can be judged against (--reference) and their noise runs: dsflow's is its
+# attention through SDPA instead of the padded flash kernel (the same math, another kernel), for
+# an opt-in such as fp8 measured against dsflow's bf16.
+NOISE_RUNS = {"baseline": tuple(NOISE), "dsflow": ("no-flash",)}
 
 
 def variant(name: str) -> dict:
@@ -342,12 +352,14 @@ def smoothed(curve: dict[int, float], steps: list[int], width: int = SMOOTH) -> 
     return [statistics.mean(vals[max(0, i - half) : i + half + 1]) for i in range(len(vals))]
 
 
-def loss_agreement(base: dict[int, float], run: dict[int, float]) -> tuple[float, float] | None:
+def loss_agreement(
+    base: dict[int, float], run: dict[int, float], compare_steps: int = COMPARE_STEPS
+) -> tuple[float, float] | None:
     """(mean relative difference per step, largest relative difference of the smoothed curves)
-    over the first COMPARE_STEPS steps both runs logged (a missing step is skipped: its
+    over the first `compare_steps` steps both runs logged (a missing step is skipped: its
     neighbours in the list are averaged); None when there is no such step. A NaN loss makes
     both NaN, which no tolerance accepts."""
-    steps = [s for s in range(1, COMPARE_STEPS + 1) if s in base and s in run and base[s] != 0]
+    steps = [s for s in range(1, compare_steps + 1) if s in base and s in run and base[s] != 0]
     if not steps:
         return None
     rel = [abs(run[s] - base[s]) / abs(base[s]) for s in steps]
@@ -355,17 +367,26 @@ def loss_agreement(base: dict[int, float], run: dict[int, float]) -> tuple[float
     return statistics.mean(rel), max(abs(y - x) / abs(x) for x, y in zip(a, b, strict=True))
 
 
-def noise_level(runs: dict[str, dict]) -> tuple[float, float] | None:
-    """The largest (mean, max) difference between two reference runs (each component on its
-    own), over every pair of them; None without the baseline and a noise run."""
-    refs = [runs[v]["loss"] for v in REFERENCES if v in runs]
-    if "baseline" not in runs or len(refs) < 2:
+def noise_level(
+    runs: dict[str, dict], reference: str = "baseline", compare_steps: int = COMPARE_STEPS
+) -> tuple[float, float] | None:
+    """The largest (mean, max) difference between two reference runs (`reference` and its
+    noise runs, each component on its own), over every pair of them; None without the
+    reference and a noise run."""
+    refs = [runs[v]["loss"] for v in references(reference) if v in runs]
+    if reference not in runs or len(refs) < 2:
         return None
-    draws = [loss_agreement(a, b) for a, b in itertools.combinations(refs, 2)]
+    pairs = itertools.combinations(refs, 2)
+    draws = [loss_agreement(a, b, compare_steps) for a, b in pairs]
     draws = [d for d in draws if d is not None]
     if not draws:
         return None
     return max(d[0] for d in draws), max(d[1] for d in draws)
+
+
+def references(reference: str) -> tuple[str, ...]:
+    """The run others are judged against and its noise runs."""
+    return (reference, *NOISE_RUNS[reference])
 
 
 def tolerance(noise: tuple[float, float] | None) -> tuple[float, float]:
@@ -380,6 +401,19 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="dense,moe")
     ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument(
+        "--reference",
+        default="baseline",
+        choices=sorted(NOISE_RUNS),
+        help="the run the others' speed and losses are measured against; its noise runs: "
+        + "; ".join(f"{k}: {', '.join(v)}" for k, v in NOISE_RUNS.items()),
+    )
+    ap.add_argument(
+        "--compare-steps",
+        type=int,
+        default=COMPARE_STEPS,
+        help="the losses of this many first steps are compared",
+    )
     ap.add_argument(
         "--variants",
         default="baseline,noise,noise-ce,dsflow",
@@ -399,6 +433,14 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="rounds of the variant list, run in turn; step times are medians over rounds and "
         "the speedup over the baseline is printed with its spread",
+    )
+    ap.add_argument(
+        "--add-runs",
+        default="",
+        metavar="FILES",
+        help="results.json files of earlier bench runs (comma-separated): their runs of these "
+        "configs join the comparison where this run has none of that name (e.g. noise runs "
+        "made elsewhere: their losses count, their speed is theirs)",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     return ap.parse_args()
@@ -425,7 +467,7 @@ def run_config(
             print(f"running {name} ...", flush=True)
             profile = round_ == 1 and (
                 vname in args.profile.split(",")
-                or (args.profile == "all" and vname not in REFERENCES)
+                or (args.profile == "all" and vname not in references(args.reference))
             )
             r = run_stage(name, config, variant(vname), args.steps, out, profile)
             if r.get("failed"):
@@ -449,9 +491,20 @@ def run_config(
     return runs
 
 
+def add_runs(cname: str, runs: dict, files: str) -> None:
+    """Runs of `cname` from earlier results.json files, for the names `runs` lacks (JSON keeps
+    the steps as strings: back to ints)."""
+    for path in filter(None, files.split(",")):
+        for vname, r in json.loads(Path(path).read_text())["runs"].get(cname, {}).items():
+            if vname not in runs:
+                ints = {k: {int(s): v for s, v in r[k].items()} for k in ("loss", "step_s_rounds")}
+                runs[vname] = {**r, **ints, "added_from": path}
+                print(f"  {cname}-{vname}: from {path}", flush=True)
+
+
 def speedup(r: dict, base: dict | None) -> str:
-    """tokens/s over the baseline's: the median of the rounds' ratios (round k against the
-    baseline's round k) and, over several rounds, their spread."""
+    """tokens/s over the reference run's: the median of the rounds' ratios (round k against
+    the reference's round k) and, over several rounds, their spread."""
     if not base:
         return "n/a"
     rounds = base["step_s_rounds"].keys() & r["step_s_rounds"].keys()  # both ran (none failed)
@@ -464,27 +517,30 @@ def speedup(r: dict, base: dict | None) -> str:
     return f"{mid:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
-def judge_config(cname: str, runs: dict, results: dict, rows: list) -> None:
-    """Each run's loss difference from the baseline and its verdict, against the tolerance
-    the reference runs give; appends the config's table rows to `rows`."""
-    base = runs.get("baseline")
+def judge_config(cname: str, runs: dict, results: dict, rows: list, args) -> None:
+    """Each run's loss difference from the reference run (`--reference`) and its verdict,
+    against the tolerance the reference and its noise runs give; appends the config's table
+    rows to `rows`."""
+    ref, steps = args.reference, args.compare_steps
+    base = runs.get(ref)
     if base:
-        shown = [s for s in range(1, COMPARE_STEPS + 1) if s == 1 or s % 5 == 0]
+        every = 5 * max(1, steps // 50)  # about ten columns
+        shown = [s for s in range(1, steps + 1) if s == 1 or s % every == 0]
         print("  loss at steps " + " ".join(f"{s:>6}" for s in shown))
         for vname, r in runs.items():
             print(f"  {vname:<13}" + " ".join(f"{r['loss'].get(s, 0):6.3f}" for s in shown))
-    noise_d = noise_level(runs)
+    noise_d = noise_level(runs, ref, steps)
     tol = tolerance(noise_d)
     for vname, r in runs.items():
-        d = loss_agreement(base["loss"], r["loss"]) if base and vname != "baseline" else None
+        d = loss_agreement(base["loss"], r["loss"], steps) if base and vname != ref else None
         r["loss_mean_rel_diff"], r["loss_max_smoothed_rel_diff"] = d or (None, None)
         # Judged: every run but the references (a run with no losses disagrees).
-        judged = base is not None and vname not in REFERENCES
+        judged = base is not None and vname not in references(ref)
         r["loss_agrees"] = (d is not None and d[0] <= tol[0] and d[1] <= tol[1]) if judged else None
         rows.append((cname, vname, r, base))
     results.setdefault("loss_tolerance", {})[cname] = {
-        "mean": tol[0], "max_smoothed": tol[1], "from_noise_run": noise_d is not None,
-        "noise": noise_d
+        "reference": ref, "steps": steps, "mean": tol[0], "max_smoothed": tol[1],
+        "from_noise_run": noise_d is not None, "noise": noise_d
     }  # fmt: skip
 
 
@@ -497,7 +553,7 @@ def percent(share: float | None) -> str:
     return "n/a" if share is None else f"{100 * share:.1f}%"
 
 
-def print_table(rows: list, peaks: tuple, datasheet: str) -> None:
+def print_table(rows: list, peaks: tuple, datasheet: str, args) -> None:
     print()
     print(
         f"MFU: of the {datasheet}; of achievable: of the measured bf16 matmul peak "
@@ -505,8 +561,8 @@ def print_table(rows: list, peaks: tuple, datasheet: str) -> None:
     )
     header = (
         f"{'config':<7} {'run':<12} {'params tot/act':>16} {'tok/s':>9} {'MFU':>6} {'of achv':>7} "
-        f"{'step ms':>8} {'peak GB':>8} {'plan/rsv':>8} {'data wait':>9} {'x base':>18} "
-        f"{'loss d mean/max':>17}"
+        f"{'step ms':>8} {'peak GB':>8} {'plan/rsv':>8} {'data wait':>9} "
+        f"{'x ' + args.reference:>18} {'loss d mean/max':>17}"
     )
     print(header)
     print("-" * len(header))
@@ -522,14 +578,15 @@ def print_table(rows: list, peaks: tuple, datasheet: str) -> None:
             f"{100 * r['data_wait']:>8.2f}% {speedup(r, base):>18} {agree:>17}"
         )
     print(
-        f"\nloss d: relative difference from the baseline over the first {COMPARE_STEPS} steps, "
+        f"\nloss d: relative difference from {args.reference} over the first "
+        f"{args.compare_steps} steps, "
         f"mean per step / largest of {SMOOTH}-step means; ! = outside the tolerance; plan/rsv: "
         "the planner's reserved peak over torch.cuda.max_memory_reserved"
     )
 
 
 def print_verdicts(results: dict, rows: list) -> bool:
-    """One line per judged run; True when every judged run agrees with the baseline."""
+    """One line per judged run; True when every judged run agrees with its reference."""
     ok = True
     for cname, tol in results.get("loss_tolerance", {}).items():
         source = (
@@ -547,12 +604,12 @@ def print_verdicts(results: dict, rows: list) -> bool:
             )
         judged = [(v, r) for c, v, r, _ in rows if c == cname and r["loss_agrees"] is not None]
         if not judged:
-            print(f"{cname}: losses not compared (needs the baseline and another run)")
+            print(f"{cname}: losses not compared (needs {tol['reference']} and another run)")
             continue
         for vname, r in judged:
             ok &= r["loss_agrees"]
             print(
-                f"{cname}: {vname} vs baseline {'agree' if r['loss_agrees'] else 'DISAGREE'} "
+                f"{cname}: {vname} vs {tol['reference']} {'agree' if r['loss_agrees'] else 'DISAGREE'} "
                 f"(tolerance {100 * tol['mean']:.2f}/{100 * tol['max_smoothed']:.2f}%: {source})"
             )
     return ok
@@ -572,9 +629,10 @@ def main() -> int:
     rows = []
     for cname in args.configs.split(","):
         runs = run_config(cname, args, (datasheet, peak), out, results)
-        judge_config(cname, runs, results, rows)
+        add_runs(cname, runs, args.add_runs)
+        judge_config(cname, runs, results, rows, args)
         (out / "results.json").write_text(json.dumps(results, indent=2))
-    print_table(rows, (datasheet, peak), what)
+    print_table(rows, (datasheet, peak), what, args)
     return 0 if print_verdicts(results, rows) else 1
 
 

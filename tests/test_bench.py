@@ -292,3 +292,53 @@ def test_time_to_quality_is_the_training_time_of_the_first_validation_at_the_tar
     assert "dsflow: step 20, 10.0 s of training" in capsys.readouterr().out
     saved = json.loads((tmp_path / "time_to_quality.json").read_text())
     assert saved["runs"]["dsflow"]["reached"] == [20, 10.0]
+
+
+def test_a_run_is_judged_against_dsflow_over_the_steps_asked_for(
+    bench, monkeypatch, tmp_path, capsys
+):
+    """--reference dsflow --compare-steps 200 (FP8 against bf16): fp8 and its speed are
+    measured against dsflow, no-flash is dsflow's noise run, and a curve that parts from
+    dsflow's only after step 50 is caught."""
+    late = {s: v * (1.03 if s > 100 else 1.0) for s, v in curve(steps=200).items()}
+    curves = {"dsflow": curve(steps=200), "no-flash": curve(0.003, phase=2.0, steps=200)}
+    step_s = lambda name: 0.10 if name.endswith("dsflow") else 0.08  # noqa: E731
+    for fp8, agrees in ((curve(0.003, phase=1.0, steps=200), True), (late, False)):
+        curves["fp8"] = fp8
+        more = ("--reference", "dsflow", "--compare-steps", "200")
+        code = run_bench(
+            bench, monkeypatch, tmp_path, curves, "dsflow,no-flash,fp8", *more, step_s=step_s
+        )
+        out = capsys.readouterr().out
+        assert code == (0 if agrees else 1)
+        assert f"dense: fp8 vs dsflow {'agree' if agrees else 'DISAGREE'}" in out
+        assert "no-flash vs dsflow" not in out
+        results = json.loads((tmp_path / "results.json").read_text())
+        tol = results["loss_tolerance"]["dense"]
+        assert tol["reference"] == "dsflow" and tol["steps"] == 200 and tol["from_noise_run"]
+        assert "1.25x" in out  # 0.10 s / 0.08 s against dsflow
+    # over the default 50 steps the late parting is not seen
+    run_bench(bench, monkeypatch, tmp_path, curves, "dsflow,no-flash,fp8", "--reference", "dsflow")
+    assert "dense: fp8 vs dsflow agree" in capsys.readouterr().out
+
+
+def test_runs_of_an_earlier_bench_join_the_comparison(bench, monkeypatch, tmp_path, capsys):
+    """--add-runs: a noise run from another results.json calibrates the tolerance as if it had
+    run here; a name this run has is not replaced."""
+    earlier = tmp_path / "earlier"
+    curves = {"dsflow": curve(), "no-flash": curve(0.03, phase=2.0)}
+    run_bench(bench, monkeypatch, earlier, curves, "no-flash,dsflow")
+    capsys.readouterr()
+    fp8 = curve(0.03, phase=1.0)  # outside the fixed 1% mean, inside the noise run's drift
+    curves = {"dsflow": curve(), "fp8": fp8, "no-flash": curve(scale=2.0)}
+    more = ("--reference", "dsflow", "--add-runs", str(earlier / "results.json"))
+    assert run_bench(bench, monkeypatch, tmp_path / "here", curves, "dsflow,fp8", *more) == 0
+    out = capsys.readouterr().out
+    assert "dense-no-flash: from" in out and "dense-dsflow: from" not in out
+    assert "dense: fp8 vs dsflow agree" in out
+    results = json.loads((tmp_path / "here/results.json").read_text())
+    assert results["loss_tolerance"]["dense"]["from_noise_run"]
+    assert (
+        run_bench(bench, monkeypatch, tmp_path / "alone", curves, "dsflow,fp8", more[0], more[1])
+        == 1
+    )
