@@ -12,7 +12,7 @@ run() {  # name, then overlay YAML text
   local name=$1; shift
   printf '%s\n' "$@" > "/tmp/$name.yaml"
   rm -rf checkpoints models/final dvclive metrics/train.json
-  python3 -m dsflow --profile profiles/h200.yaml --profile "/tmp/$name.yaml" train \
+  python3 -m dsflow --profile /tmp/gpu-memory-base.yaml --profile "/tmp/$name.yaml" train \
     > "$out/$name.log" 2>&1 || { echo "$name failed"; tail -20 "$out/$name.log"; return; }
   cp metrics/train.json "$out/$name.json"
   python3 - "$out/$name.json" "$name" <<'PY'
@@ -24,6 +24,18 @@ print(f"{sys.argv[2]:<22} alloc {alloc:6.2f} GB  reserved {rsv:6.2f} GB  planned
       f"({100 * (plan / rsv - 1):+.1f}%)")
 PY
 }
+# One GPU in bf16, the `small` preset at seq 1024 x micro 16 unless a run says otherwise.
+cat > /tmp/gpu-memory-base.yaml <<'YAML'
+model:
+  preset: small
+train:
+  device: cuda
+  gpus: 1
+  precision: bf16
+  seq_len: 1024
+  micro_batch: 16
+  grad_accum: 1
+YAML
 # Memory needs no long run: 14 steps, no checkpoint before the end.
 short='train:
   max_steps: 14

@@ -587,7 +587,8 @@ def test_check_fits_counts_activation_checkpointing_from_params(monkeypatch, tmp
     """The planner's advice "+ activation checkpointing" is a params switch that it honours."""
     monkeypatch.chdir(tmp_path)
     params = _params("profiles/h200.yaml")
-    params["train"]["micro_batch"] = 16
+    params["model"].update(preset="small", overrides={})
+    params["train"].update(micro_batch=16, seq_len=1024)
     card = 22 * 10**9
     with pytest.raises(UsageError, match="activation checkpointing"):
         layouts.check_fits(params, 1, "cuda", card)
@@ -601,7 +602,7 @@ def test_the_plan_says_when_it_counts_dsflows_fused_optimizer():
     DeepSpeed's optimizer, and the line does not."""
     one = stage.build_plan(_params("profiles/h200.yaml"))
     assert one["request"]["zero_stage"] == 0 and one["request"]["fused_optimizer"]
-    assert "ZeRO-0, bf16, seq 1024 x micro 16 x accum 1, dsflow's fused optimizer" in (
+    assert "ZeRO-0, bf16, seq 2048 x micro 16 x accum 1, dsflow's fused optimizer" in (
         tables.format_report(one)
     )
     three = stage.build_plan(_params("profiles/rtx4090x3.yaml"))
