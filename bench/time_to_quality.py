@@ -9,7 +9,9 @@ training time at that point (the process start and model build before the first 
 left out, and printed apart as the stage's wall time). Val bits per byte come from the logged
 val loss (nats per token over `eval_batches` windows) and the val split's bytes per token (its
 shard index); the floor is the builtin corpus's val entropy (data/raw/manifest.json), a true
-lower bound for any model of it.
+lower bound for any model of it. A run is stopped at its first validation within the margin
+(checkpoints/.stop, as the stage's own signal handler does it): the later steps would not change
+the figure, and the schedule, set by `--steps`, is the same for every variant.
 
     python bench/time_to_quality.py --config dense --variants baseline,dsflow --within 0.10
 
@@ -55,19 +57,26 @@ def reached(run: dict, target_bpb: float, per_token: float) -> tuple[int, float]
     return None
 
 
-def run_variant(name: str, args: argparse.Namespace, out: Path) -> dict:
+def run_variant(name: str, args: argparse.Namespace, out: Path, target: float, per: float) -> dict:
+    """The stage as train_throughput runs it, validating every --eval-every steps, stopped at
+    the first validation within the target (the later steps would not change the figure)."""
     overlay = tt.deep_merge(
         tt.variant(name), {"eval_every": args.eval_every, "eval_batches": args.eval_batches}
     )
-    r = tt.run_stage(f"ttq-{name}", tt.CONFIGS[args.config], overlay, args.steps, out, False)
-    if r.get("failed"):
-        return r
     live = Path("dvclive/plots/metrics")
-    return {
-        **r,
-        "val_loss": tt.tsv(live / "val/loss.tsv", "loss"),
-        "step_s": tt.tsv(live / "perf/step_s.tsv", "step_s"),
-    }
+
+    def curves() -> dict:
+        return {
+            "val_loss": tt.tsv(live / "val/loss.tsv", "loss"),
+            "step_s": tt.tsv(live / "perf/step_s.tsv", "step_s"),
+        }
+
+    def there() -> bool:
+        return reached(curves(), target, per) is not None
+
+    config = tt.CONFIGS[args.config]
+    r = tt.run_stage(f"ttq-{name}", config, overlay, args.steps, out, False, until=there)
+    return r if r.get("failed") else {**r, **curves()}
 
 
 def parse_args() -> argparse.Namespace:
@@ -92,7 +101,7 @@ def main() -> int:
     results = {"floor_bpb": floor, "target_bpb": target, "bytes_per_token": per_token, "runs": {}}
     for name in args.variants.split(","):
         print(f"running {name} ...", flush=True)
-        r = run_variant(name, args, out)
+        r = run_variant(name, args, out, target, per_token)
         hit = None if r.get("failed") else reached(r, target, per_token)
         results["runs"][name] = {**r, "reached": hit}
         (out / "time_to_quality.json").write_text(json.dumps(results, indent=2))

@@ -238,7 +238,13 @@ def datasheet_peak_tflops() -> tuple[float | None, str]:
     return (peak / 1e12 if peak else None), what
 
 
-def run_stage(name: str, config: dict, variant: dict, steps: int, out: Path, profile: bool) -> dict:
+def run_stage(
+    name: str, config: dict, variant: dict, steps: int, out: Path, profile: bool, until=None
+) -> dict:
+    """The train stage on `config` with the `variant` overlay for `steps` steps: its step time,
+    losses and memory. `until`: polled while it runs; once it returns true the stage is asked to
+    stop (checkpoints/.stop: the ranks leave at the next step boundary) and the result is
+    {"name", "stopped": True, "wall_s"}, the rest left in dvclive/."""
     train = {
         "device": "cuda",
         "gpus": 1,
@@ -272,13 +278,16 @@ def run_stage(name: str, config: dict, variant: dict, steps: int, out: Path, pro
     t0 = time.time()
     log_path = work / "train.log"
     with open(log_path, "w") as log:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "dsflow", "--profile", str(overlay), "train"],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
         )
+        stopped = wait_or_stop(proc, until)
     wall = time.time() - t0
+    if stopped:
+        return {"name": name, "stopped": True, "wall_s": wall}
     if proc.returncode != 0:
         tail = log_path.read_text().splitlines()[-25:]
         print(f"{name}: train stage failed ({proc.returncode}):\n  " + "\n  ".join(tail))
@@ -305,6 +314,19 @@ def run_stage(name: str, config: dict, variant: dict, steps: int, out: Path, pro
         "params_activated": metrics["params_activated"],
         "wall_s": wall,
     }
+
+
+def wait_or_stop(proc: subprocess.Popen, until=None, poll_s: float = 1.0) -> bool:
+    """Wait for the stage; True when `until()` turned true first and the stage was asked to
+    stop through checkpoints/.stop (its own signal handler does the same)."""
+    while proc.poll() is None:
+        if until is not None and until():
+            Path("checkpoints").mkdir(exist_ok=True)
+            Path("checkpoints/.stop").touch()
+            proc.wait()
+            return True
+        time.sleep(poll_s)
+    return False
 
 
 def checkpoint_of(config: dict, out: Path) -> Path:

@@ -285,7 +285,7 @@ def test_time_to_quality_is_the_training_time_of_the_first_validation_at_the_tar
     }
     assert ttq.reached(run, 1.10 * floor, per_token) == (20, 10.0)
     assert ttq.reached(run, 1.001 * floor, per_token) is None
-    monkeypatch.setattr(ttq, "run_variant", lambda name, args, out: run)
+    monkeypatch.setattr(ttq, "run_variant", lambda name, args, out, target, per: run)
     argv = ["x", "--variants", "dsflow", "--within", "0.1", "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
     assert ttq.main() == 0
@@ -342,3 +342,52 @@ def test_runs_of_an_earlier_bench_join_the_comparison(bench, monkeypatch, tmp_pa
         run_bench(bench, monkeypatch, tmp_path / "alone", curves, "dsflow,fp8", more[0], more[1])
         == 1
     )
+
+
+def test_a_stage_is_asked_to_stop_once_the_condition_holds(bench, tmp_path, monkeypatch):
+    """wait_or_stop: the stage (here a stand-in that leaves when checkpoints/.stop appears, as
+    the ranks do) runs until `until` turns true, then checkpoints/.stop asks it to leave."""
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    leaves = "import pathlib, time\nwhile not pathlib.Path('checkpoints/.stop').exists(): time.sleep(0.05)"
+    polls = []
+    proc = subprocess.Popen([sys.executable, "-c", leaves])
+    assert bench.wait_or_stop(proc, lambda: polls.append(1) or len(polls) >= 3, poll_s=0.05)
+    assert proc.returncode == 0 and (tmp_path / "checkpoints/.stop").exists() and len(polls) == 3
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert not bench.wait_or_stop(proc, lambda: False, poll_s=0.05)
+
+
+def test_time_to_quality_stops_a_run_at_its_first_validation_within_the_target(
+    prepared, tmp_path, monkeypatch
+):
+    """run_variant's stop condition reads the stage's live val loss: false before a
+    validation within the target is logged, true after; the curves come back with the run."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import time_to_quality as ttq
+
+    monkeypatch.chdir(prepared)
+    floor, per_token = ttq.entropy_floor(), ttq.bytes_per_token()
+    live = prepared / "dvclive/plots/metrics"
+    seen = []
+
+    def run_stage(name, config, variant, steps, out, profile, until):
+        assert variant["eval_every"] == 25 and name == "ttq-dsflow"
+        (live / "val").mkdir(parents=True, exist_ok=True)
+        (live / "perf").mkdir(parents=True, exist_ok=True)
+        (live / "perf/step_s.tsv").write_text("step\tstep_s\n1\t2.0\n2\t0.5\n")
+        for bpb in (2 * floor, 1.05 * floor):
+            loss = bpb * math.log(2) * per_token
+            with open(live / "val/loss.tsv", "a") as f:
+                f.write("step\tloss\n" if f.tell() == 0 else "")
+                f.write(f"{25 * (len(seen) + 1)}\t{loss}\n")
+            seen.append(until())
+        return {"name": name, "stopped": True, "wall_s": 9.0}
+
+    monkeypatch.setattr(ttq.tt, "run_stage", run_stage)
+    monkeypatch.setattr(sys, "argv", ["x"])
+    args = ttq.parse_args()
+    r = ttq.run_variant("dsflow", args, tmp_path, 1.10 * floor, per_token)
+    assert seen == [False, True]
+    assert r["stopped"] and set(r["val_loss"]) == {25, 50} and r["step_s"] == {1: 2.0, 2: 0.5}
