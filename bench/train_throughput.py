@@ -55,6 +55,10 @@ Needs data/shards and data/tokenizer (the data stages) in the working directory;
     python bench/train_throughput.py --configs moe --variants baseline,zero2+sorted-experts
     python bench/train_throughput.py --configs v2lite4,moonlight4 --variants dsflow,lora,full-ft
 
+Seq 1024 x micro 16 unless `--seq` / `--micro` say otherwise (more tokens per expert GEMM):
+
+    python bench/train_throughput.py --configs moe --variants dsflow --micro 32
+
 Variants stack with +: `a+b` is b's overlay on a's. `--repeat N` runs the variant list N times
 in turn (baseline, dsflow, baseline, dsflow, ...): step times are medians over the rounds and the
 speedup is the median of the rounds' ratios, printed with their range, since the same baseline's
@@ -361,10 +365,10 @@ def planned_vs_measured(r: dict) -> str:
     )
 
 
-def flops_per_token(config: dict, frozen: bool = False) -> float:
+def flops_per_token(config: dict, frozen: bool = False, seq: int = SEQ) -> float:
     """As the train stage counts them; `frozen`: LoRA (no weight gradients of the base)."""
     model = model_config(config["preset"], vocab_size(), config["overrides"])
-    return flops.flops_per_token(model, SEQ, frozen=frozen)
+    return flops.flops_per_token(model, seq, frozen=frozen)
 
 
 def smoothed(curve: dict[int, float], steps: list[int], width: int = SMOOTH) -> list[float]:
@@ -423,6 +427,8 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="dense,moe")
     ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--seq", type=int, default=SEQ, help="sequence length")
+    ap.add_argument("--micro", type=int, default=MICRO, help="micro batch (sequences)")
     ap.add_argument(
         "--reference",
         default="baseline",
@@ -478,9 +484,12 @@ def run_config(
     config = CONFIGS[cname]
 
     def mfus(step_s: float, vname: str) -> tuple:  # (tokens/s, MFU, of achievable) at this step
-        tps = MICRO * SEQ / step_s
-        fpt = flops_per_token(config, frozen=variant(vname).get("finetune") == "lora")
+        tps = args.micro * args.seq / step_s
+        lora = variant(vname).get("finetune") == "lora"
+        fpt = flops_per_token(config, frozen=lora, seq=args.seq)
         return (tps, *(tps * fpt / (p * 1e12) if p else None for p in peaks))
+
+    batch = {"seq_len": args.seq, "micro_batch": args.micro}
 
     runs = results["runs"][cname] = {}
     for round_ in range(1, args.repeat + 1):
@@ -491,7 +500,7 @@ def run_config(
                 vname in args.profile.split(",")
                 or (args.profile == "all" and vname not in references(args.reference))
             )
-            r = run_stage(name, config, variant(vname), args.steps, out, profile)
+            r = run_stage(name, config, {**batch, **variant(vname)}, args.steps, out, profile)
             if r.get("failed"):
                 continue
             first = runs.setdefault(vname, {**r, "step_s_rounds": {}})
@@ -579,7 +588,7 @@ def print_table(rows: list, peaks: tuple, datasheet: str, args) -> None:
     print()
     print(
         f"MFU: of the {datasheet}; of achievable: of the measured bf16 matmul peak "
-        f"{peaks[1]:.0f} TFLOP/s; seq {SEQ}, micro {MICRO}, 1 GPU, bf16"
+        f"{peaks[1]:.0f} TFLOP/s; seq {args.seq}, micro {args.micro}, 1 GPU, bf16"
     )
     header = (
         f"{'config':<7} {'run':<12} {'params tot/act':>16} {'tok/s':>9} {'MFU':>6} {'of achv':>7} "
@@ -648,6 +657,7 @@ def main() -> int:
     datasheet, what = datasheet_peak_tflops()
     print(f"MFU is against the {what}", flush=True)
     results = {"peak_tflops": peak, "datasheet_peak_tflops": datasheet, "runs": {}}
+    results.update(seq=args.seq, micro=args.micro)
     rows = []
     for cname in args.configs.split(","):
         runs = run_config(cname, args, (datasheet, peak), out, results)

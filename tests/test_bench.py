@@ -87,7 +87,7 @@ def run_bench(bench, monkeypatch, tmp_path, curves: dict, variants: str, *more, 
     monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
     what = "H200 SXM datasheet dense bf16 peak 989.5 TFLOP/s"
     monkeypatch.setattr(bench, "datasheet_peak_tflops", lambda: (989.5, what))
-    monkeypatch.setattr(bench, "flops_per_token", lambda config, frozen=False: 1.2e9)
+    monkeypatch.setattr(bench, "flops_per_token", lambda config, frozen=False, seq=1024: 1.2e9)
     argv = ["x", "--configs", "dense", "--variants", variants, "--out", str(tmp_path), *more]
     monkeypatch.setattr(sys, "argv", argv)
     return bench.main()
@@ -239,7 +239,7 @@ def test_each_run_prints_the_planned_against_the_measured_peak(
     monkeypatch.setattr(bench, "run_stage", with_memory)
     monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
     monkeypatch.setattr(bench, "datasheet_peak_tflops", lambda: (989.5, "datasheet"))
-    monkeypatch.setattr(bench, "flops_per_token", lambda config, frozen=False: 1.2e9)
+    monkeypatch.setattr(bench, "flops_per_token", lambda config, frozen=False, seq=1024: 1.2e9)
     argv = ["x", "--configs", "dense", "--variants", "baseline,dsflow", "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()
@@ -391,3 +391,29 @@ def test_time_to_quality_stops_a_run_at_its_first_validation_within_the_target(
     r = ttq.run_variant("dsflow", args, tmp_path, 1.10 * floor, per_token)
     assert seen == [False, True]
     assert r["stopped"] and set(r["val_loss"]) == {25, 50} and r["step_s"] == {1: 2.0, 2: 0.5}
+
+
+def test_the_batch_shape_is_a_bench_argument(bench, monkeypatch, tmp_path, capsys):
+    """--micro and --seq (more tokens per expert, say) reach the stage under every variant and
+    count in tokens/s, MFU and the table's header."""
+    seen = []
+    stage = fake_stage({"dsflow": curve(), "baseline": curve()})
+
+    def run_stage(name, config, variant, *rest):
+        seen.append((variant["micro_batch"], variant["seq_len"]))
+        return stage(name, config, variant, *rest)
+
+    monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
+    monkeypatch.setattr(bench, "datasheet_peak_tflops", lambda: (989.5, "datasheet"))
+    monkeypatch.setattr(bench, "flops_per_token", lambda config, frozen=False, seq=1024: seq)
+    monkeypatch.setattr(bench, "run_stage", run_stage)
+    argv = ["x", "--configs", "dense", "--variants", "baseline,dsflow", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--micro", "32", "--seq", "2048"])
+    assert bench.main() == 0
+    assert seen == [(32, 2048), (32, 2048)]
+    results = json.loads((tmp_path / "results.json").read_text())
+    run = results["runs"]["dense"]["dsflow"]
+    assert run["tokens_per_s"] == pytest.approx(32 * 2048 / 0.1)
+    assert run["mfu"] == pytest.approx(32 * 2048 / 0.1 * 2048 / 989.5e12)
+    assert (results["seq"], results["micro"]) == (2048, 32)
+    assert "seq 2048, micro 32" in capsys.readouterr().out
