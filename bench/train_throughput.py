@@ -293,8 +293,12 @@ def run_stage(
     if stopped:
         return {"name": name, "stopped": True, "wall_s": wall}
     if proc.returncode != 0:
-        tail = log_path.read_text().splitlines()[-25:]
-        print(f"{name}: train stage failed ({proc.returncode}):\n  " + "\n  ".join(tail))
+        lines = log_path.read_text().splitlines()
+        # A rank's own error comes before the launcher's long report: show both.
+        errors = [line for line in lines if line.startswith("[rank") and "Error" in line]
+        shutil.copy(log_path, out / f"failed-{name.replace('+', '_')}.log")
+        print(f"{name}: train stage failed ({proc.returncode}):\n  " + "\n  ".join(lines[-25:]))
+        print("  rank errors:\n  " + "\n  ".join(errors[-3:] or ["none logged"]))
         return {"name": name, "failed": True}
     live = Path("dvclive/plots/metrics")
     metrics = json.loads(Path("metrics/train.json").read_text())

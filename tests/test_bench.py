@@ -417,3 +417,16 @@ def test_the_batch_shape_is_a_bench_argument(bench, monkeypatch, tmp_path, capsy
     assert run["mfu"] == pytest.approx(32 * 2048 / 0.1 * 2048 / 989.5e12)
     assert (results["seq"], results["micro"]) == (2048, 32)
     assert "seq 2048, micro 32" in capsys.readouterr().out
+
+
+def test_a_failed_stage_leaves_its_whole_log_in_the_output(bench, tmp_path, monkeypatch, capsys):
+    """The train stage failing (here: no data in the working directory) is a failed run, not a
+    stopped bench, and its whole log is kept beside the results."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    r = bench.run_stage("dense-x", bench.CONFIGS["dense"], {}, 2, tmp_path / "out", False)
+    assert r == {"name": "dense-x", "failed": True}
+    log = (tmp_path / "out/failed-dense-x.log").read_text()
+    assert "dsflow train: error" in log
+    out = capsys.readouterr().out
+    assert "dense-x: train stage failed" in out and "rank errors:\n  none logged" in out
