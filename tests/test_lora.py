@@ -209,6 +209,69 @@ def test_fast_paths_give_the_adapters_the_plain_paths_gradients():
         torch.testing.assert_close(grads_f[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+DEFAULT = {
+    "rank": 4,
+    "alpha": 8,
+    "dropout": 0.0,
+    "targets": ["attention", "dense_mlp", "shared_experts"],
+}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_the_linear_adapters_compute_what_peft_computes(family):
+    """The dense MLP's and shared experts' adapters take F.linear on W + B A directly instead of
+    PEFT's parametrization: the same loss and gradients, to the bit; merging still works."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    adapted = lora.attach(_base(family=family, moe_intermediate_size=16), DEFAULT)
+    direct = [m for m in adapted.modules() if type(m).__name__ == "DirectLinearWrapper"]
+    layers = adapted.get_base_model().config.num_hidden_layers
+    assert len(direct) == 3 * layers  # the dense MLPs' and shared experts' three projections
+    for name, p in adapted.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    x = _batch(2)
+    results = []
+    for cls in (None, ParamWrapper):  # dsflow's, then PEFT's own forward
+        for m in direct:
+            m.__class__ = cls or m.__class__
+        adapted.zero_grad()
+        loss = adapted(input_ids=x, labels=x).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in adapted.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), grads))
+    (loss_d, grads_d), (loss_p, grads_p) = results
+    assert torch.equal(loss_d, loss_p)
+    assert all(torch.equal(grads_d[n], g) for n, g in grads_p.items())
+
+
+def test_compiled_layers_under_lora_have_no_graph_break(monkeypatch):
+    """bf16, the default targets: every compiled layer is one graph (PEFT's parametrization
+    broke each layer's graph at every adapted MLP weight and recompiled each layer). Graph
+    breaks are dynamo's: its eager backend shows them without inductor's compile time."""
+    from torch._dynamo.utils import counters
+
+    from dsflow.model import fastpaths
+    from dsflow.model.loss import TrainingLM
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend="eager")
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    model = lora.attach(_base(moe_intermediate_size=16), DEFAULT).get_base_model()
+    model = model.to(torch.bfloat16).train()
+    balancer = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=0.0)
+    fastpaths.apply(
+        model, fastpaths.Perf(True, "flash_padded", 16, False, experts="sorted"), balancer
+    )
+    x = _batch(4)
+    TrainingLM(model, ce_chunk=16)(x[:, :-1], x[:, 1:]).backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
 def _plan(finetune: str):
     import argparse
 

@@ -20,6 +20,7 @@ saved. The routers (and their balancing biases), norms and embeddings stay froze
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from dsflow.errors import UsageError
@@ -95,7 +96,56 @@ def attach(model: Any, lora: dict) -> Any:
     from peft import get_peft_model
 
     check(model, lora)
-    return get_peft_model(model, peft_config(lora))
+    adapted = get_peft_model(model, peft_config(lora))
+    _direct_linear_adapters(adapted)
+    return adapted
+
+
+def _direct_linear_adapters(model: Any) -> int:
+    """PEFT's parameter adapter on an `nn.Linear` weight (the dense MLPs, the shared experts)
+    adds B A to the weight through `torch.nn.utils.parametrize`, registered and removed at every
+    forward. Each registration makes a new class for the module, so torch.compile recompiles each
+    layer until its recompile limit and runs the rest eagerly. The adapters found here compute
+    the same sum and `F.linear` directly instead: one graph for every layer. They stay PEFT's
+    adapters (a subclass) for saving and merging. Returns how many were switched."""
+    import torch
+
+    wrapper = _direct_wrapper_class()
+    switched = 0
+    for module in model.modules():
+        if (
+            type(module) is wrapper.__base__
+            and module.num_experts == 1
+            and module.parameter_name == "weight"
+            and type(module.base_layer) is torch.nn.Linear
+        ):
+            module.__class__ = wrapper
+            switched += 1
+    return switched
+
+
+@functools.cache
+def _direct_wrapper_class() -> type:
+    import torch.nn.functional as F
+    from peft.tuners.lora.layer import ALLOWED_COMPUTE_DTYPES, ParamWrapper
+
+    class DirectLinearWrapper(ParamWrapper):
+        """W + sum of the active adapters' B A, then `F.linear` (see _direct_linear_adapters);
+        PEFT's own forward where it does something else (adapters off or merged, mixed
+        batches, a low-precision base weight)."""
+
+        def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+            base = self.base_layer
+            active = [a for a in self.active_adapters if a in self.lora_A]
+            plain = not (self.disable_adapters or self.merged or "adapter_names" in kwargs)
+            if not (plain and active and base.weight.dtype in ALLOWED_COMPUTE_DTYPES):
+                return super().forward(x, *args, **kwargs)
+            weight = base.weight
+            for name in active:
+                weight = weight + self.get_delta_weight(name)
+            return F.linear(x, weight, base.bias)
+
+    return DirectLinearWrapper
 
 
 def save_adapter(peft_model: Any, out: str, state_dict: dict | None = None) -> None:
