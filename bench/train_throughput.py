@@ -294,11 +294,10 @@ def run_stage(
         return {"name": name, "stopped": True, "wall_s": wall}
     if proc.returncode != 0:
         lines = log_path.read_text().splitlines()
-        # A rank's own error comes before the launcher's long report: show both.
-        errors = [line for line in lines if line.startswith("[rank") and "Error" in line]
+        errors = rank_errors(lines)
         shutil.copy(log_path, out / f"failed-{name.replace('+', '_')}.log")
         print(f"{name}: train stage failed ({proc.returncode}):\n  " + "\n  ".join(lines[-25:]))
-        print("  rank errors:\n  " + "\n  ".join(errors[-3:] or ["none logged"]))
+        print("  errors:\n  " + "\n  ".join(errors[-4:] or ["none logged"]))
         return {"name": name, "failed": True}
     live = Path("dvclive/plots/metrics")
     metrics = json.loads(Path("metrics/train.json").read_text())
@@ -326,15 +325,40 @@ def run_stage(
 
 def wait_or_stop(proc: subprocess.Popen, until=None, poll_s: float = 1.0) -> bool:
     """Wait for the stage; True when `until()` turned true first and the stage was asked to
-    stop through checkpoints/.stop (its own signal handler does the same)."""
-    while proc.poll() is None:
-        if until is not None and until():
-            Path("checkpoints").mkdir(exist_ok=True)
-            Path("checkpoints/.stop").touch()
+    stop through checkpoints/.stop (its own signal handler does the same; how it exits then
+    is not looked at). Should the bench itself stop (an error, Ctrl-C), so does the stage."""
+    try:
+        while proc.poll() is None:
+            if until is not None and _holds(until):
+                Path("checkpoints").mkdir(exist_ok=True)
+                Path("checkpoints/.stop").touch()
+                proc.wait()
+                return True
+            time.sleep(poll_s)
+        return False
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
             proc.wait()
-            return True
-        time.sleep(poll_s)
-    return False
+
+
+def _holds(until) -> bool:
+    """until(); False while a file it reads is half-written (a row cut mid-line)."""
+    try:
+        return bool(until())
+    except (ValueError, TypeError, KeyError):
+        return False
+
+
+def rank_errors(lines: list[str]) -> list[str]:
+    """The error lines of the ranks and of dsflow in a stage's log: they come before the
+    launcher's long report, which is all its last lines show."""
+    mark = ("[dsflow train] error", "dsflow train: error")
+    return [
+        line
+        for line in lines
+        if (line.startswith("[rank") and "Error" in line) or any(m in line for m in mark)
+    ]
 
 
 def checkpoint_of(config: dict, out: Path) -> Path:
@@ -526,15 +550,23 @@ def run_config(
     return runs
 
 
-def add_runs(cname: str, runs: dict, files: str) -> None:
-    """Runs of `cname` from earlier results.json files, for the names `runs` lacks (JSON keeps
-    the steps as strings: back to ints)."""
+def add_runs(cname: str, runs: dict, files: str, shape: tuple[int, int]) -> None:
+    """Runs of `cname` from earlier results.json files made at the same (seq, micro), for the
+    names `runs` lacks (JSON keeps the steps as strings: back to ints)."""
     for path in filter(None, files.split(",")):
-        for vname, r in json.loads(Path(path).read_text())["runs"].get(cname, {}).items():
-            if vname not in runs:
-                ints = {k: {int(s): v for s, v in r[k].items()} for k in ("loss", "step_s_rounds")}
-                runs[vname] = {**r, **ints, "added_from": path}
-                print(f"  {cname}-{vname}: from {path}", flush=True)
+        saved = json.loads(Path(path).read_text())
+        theirs = (saved.get("seq", SEQ), saved.get("micro", MICRO))
+        if theirs != shape:
+            print(f"  {path}: seq x micro {theirs}, not {shape}: left out", flush=True)
+            continue
+        for vname, r in saved["runs"].get(cname, {}).items():
+            if vname in runs or "loss" not in r:
+                continue
+            ints = {
+                k: {int(s): v for s, v in r.get(k, {}).items()} for k in ("loss", "step_s_rounds")
+            }
+            runs[vname] = {**r, **ints, "added_from": path}
+            print(f"  {cname}-{vname}: from {path}", flush=True)
 
 
 def speedup(r: dict, base: dict | None) -> str:
@@ -610,7 +642,7 @@ def print_table(rows: list, peaks: tuple, datasheet: str, args) -> None:
             f"{cname:<7} {vname:<12} {params:>16} {r['tokens_per_s']:>9,.0f} "
             f"{percent(r['mfu']):>6} {percent(r['mfu_of_achievable']):>7} "
             f"{1e3 * r['step_s']:>8.1f} {r['peak_gb']:>8.1f} {plan_ratio(r):>8} "
-            f"{100 * r['data_wait']:>8.2f}% {speedup(r, base):>18} {agree:>17}"
+            f"{100 * r['data_wait']:>8.2f}% {'added' if 'added_from' in r else speedup(r, base):>18} {agree:>17}"
         )
     print(
         f"\nloss d: relative difference from {args.reference} over the first "
@@ -665,7 +697,7 @@ def main() -> int:
     rows = []
     for cname in args.configs.split(","):
         runs = run_config(cname, args, (datasheet, peak), out, results)
-        add_runs(cname, runs, args.add_runs)
+        add_runs(cname, runs, args.add_runs, (args.seq, args.micro))
         judge_config(cname, runs, results, rows, args)
         (out / "results.json").write_text(json.dumps(results, indent=2))
     print_table(rows, (datasheet, peak), what, args)

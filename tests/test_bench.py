@@ -338,10 +338,12 @@ def test_runs_of_an_earlier_bench_join_the_comparison(bench, monkeypatch, tmp_pa
     assert "dense: fp8 vs dsflow agree" in out
     results = json.loads((tmp_path / "here/results.json").read_text())
     assert results["loss_tolerance"]["dense"]["from_noise_run"]
-    assert (
-        run_bench(bench, monkeypatch, tmp_path / "alone", curves, "dsflow,fp8", more[0], more[1])
-        == 1
-    )
+    assert re.search(r"no-flash .* added", out)  # its speed is not compared
+    alone = run_bench(bench, monkeypatch, tmp_path / "alone", curves, "dsflow,fp8", *more[:2])
+    assert alone == 1
+    # made at another batch shape: left out
+    run_bench(bench, monkeypatch, tmp_path / "other", curves, "dsflow,fp8", *more, "--micro", "8")
+    assert "seq x micro (1024, 16), not (1024, 8): left out" in capsys.readouterr().out
 
 
 def test_a_stage_is_asked_to_stop_once_the_condition_holds(bench, tmp_path, monkeypatch):
@@ -357,6 +359,15 @@ def test_a_stage_is_asked_to_stop_once_the_condition_holds(bench, tmp_path, monk
     assert proc.returncode == 0 and (tmp_path / "checkpoints/.stop").exists() and len(polls) == 3
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     assert not bench.wait_or_stop(proc, lambda: False, poll_s=0.05)
+    # a half-written row (float("")) is "not yet"; the bench stopping stops the stage too
+    (tmp_path / "checkpoints/.stop").unlink()
+    proc = subprocess.Popen([sys.executable, "-c", leaves])
+    rows = iter(["", "", "1.0"])
+    assert bench.wait_or_stop(proc, lambda: float(next(rows)) > 0, poll_s=0.05)
+    proc = subprocess.Popen([sys.executable, "-c", leaves])
+    with pytest.raises(ZeroDivisionError):
+        bench.wait_or_stop(proc, lambda: 1 / 0, poll_s=0.05)
+    assert proc.returncode is not None
 
 
 def test_time_to_quality_stops_a_run_at_its_first_validation_within_the_target(
@@ -369,7 +380,8 @@ def test_time_to_quality_stops_a_run_at_its_first_validation_within_the_target(
 
     monkeypatch.chdir(prepared)
     floor, per_token = ttq.entropy_floor(), ttq.bytes_per_token()
-    live = prepared / "dvclive/plots/metrics"
+    monkeypatch.chdir(tmp_path)  # the stage's files: not in the shared fixture
+    live = tmp_path / "dvclive/plots/metrics"
     seen = []
 
     def run_stage(name, config, variant, steps, out, profile, until):
@@ -388,7 +400,7 @@ def test_time_to_quality_stops_a_run_at_its_first_validation_within_the_target(
     monkeypatch.setattr(ttq.tt, "run_stage", run_stage)
     monkeypatch.setattr(sys, "argv", ["x"])
     args = ttq.parse_args()
-    r = ttq.run_variant("dsflow", args, tmp_path, 1.10 * floor, per_token)
+    r = ttq.run_variant("dsflow", args, tmp_path / "out", 1.10 * floor, per_token)
     assert seen == [False, True]
     assert r["stopped"] and set(r["val_loss"]) == {25, 50} and r["step_s"] == {1: 2.0, 2: 0.5}
 
@@ -429,4 +441,6 @@ def test_a_failed_stage_leaves_its_whole_log_in_the_output(bench, tmp_path, monk
     log = (tmp_path / "out/failed-dense-x.log").read_text()
     assert "dsflow train: error" in log
     out = capsys.readouterr().out
-    assert "dense-x: train stage failed" in out and "rank errors:\n  none logged" in out
+    assert "dense-x: train stage failed" in out and "dsflow train: error" in out.split("errors:")[1]
+    lines = ["[rank0]: Traceback", "[rank0]: torch.OutOfMemoryError: CUDA out of memory", "x"]
+    assert bench.rank_errors(lines) == [lines[1]]

@@ -220,11 +220,13 @@ DEFAULT = {
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
 def test_the_linear_adapters_compute_what_peft_computes(family):
     """The dense MLP's and shared experts' adapters take F.linear on W + B A directly instead of
-    PEFT's parametrization: the same loss and gradients, to the bit; merging still works."""
+    PEFT's parametrization: the same loss and gradients, to the bit; with the adapters off, the
+    base model's; merged, the adapted model's; and a second adapter can still be added."""
     from peft.tuners.lora.layer import ParamWrapper
 
     adapted = lora.attach(_base(family=family, moe_intermediate_size=16), DEFAULT)
-    direct = [m for m in adapted.modules() if type(m).__name__ == "DirectLinearWrapper"]
+    wrapper = lora._direct_wrapper_class()
+    direct = [m for m in adapted.modules() if type(m) is wrapper]
     layers = adapted.get_base_model().config.num_hidden_layers
     assert len(direct) == 3 * layers  # the dense MLPs' and shared experts' three projections
     for name, p in adapted.named_parameters():
@@ -243,6 +245,16 @@ def test_the_linear_adapters_compute_what_peft_computes(family):
     (loss_d, grads_d), (loss_p, grads_p) = results
     assert torch.equal(loss_d, loss_p)
     assert all(torch.equal(grads_d[n], g) for n, g in grads_p.items())
+    for m in direct:
+        m.__class__ = wrapper
+    base_loss = _base(family=family, moe_intermediate_size=16)(input_ids=x, labels=x).loss
+    with torch.no_grad(), adapted.disable_adapter():
+        assert torch.equal(adapted(input_ids=x, labels=x).loss, base_loss)
+    adapted.add_adapter("second", lora.peft_config(DEFAULT))  # PEFT finds its wrappers by name
+    adapted.delete_adapter("second")
+    with torch.no_grad():
+        merged = adapted.merge_and_unload()(input_ids=x, labels=x).loss
+    torch.testing.assert_close(merged, loss_d, rtol=1e-5, atol=1e-6)
 
 
 def test_compiled_layers_under_lora_have_no_graph_break(monkeypatch):

@@ -130,9 +130,9 @@ def _direct_wrapper_class() -> type:
     from peft.tuners.lora.layer import ALLOWED_COMPUTE_DTYPES, ParamWrapper
 
     class DirectLinearWrapper(ParamWrapper):
-        """W + sum of the active adapters' B A, then `F.linear` (see _direct_linear_adapters);
-        PEFT's own forward where it does something else (adapters off or merged, mixed
-        batches, a low-precision base weight)."""
+        """W + the active adapters' B A (summed first, as PEFT does), then `F.linear` (see
+        _direct_linear_adapters); PEFT's own forward where it does something else (adapters
+        off or merged, mixed batches, a low-precision base weight)."""
 
         def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
             base = self.base_layer
@@ -140,11 +140,13 @@ def _direct_wrapper_class() -> type:
             plain = not (self.disable_adapters or self.merged or "adapter_names" in kwargs)
             if not (plain and active and base.weight.dtype in ALLOWED_COMPUTE_DTYPES):
                 return super().forward(x, *args, **kwargs)
-            weight = base.weight
-            for name in active:
-                weight = weight + self.get_delta_weight(name)
-            return F.linear(x, weight, base.bias)
+            delta = self.get_delta_weight(active[0])
+            for name in active[1:]:
+                delta = delta + self.get_delta_weight(name)
+            return F.linear(x, base.weight + delta, base.bias)
 
+    # PEFT finds its wrappers by class name when another adapter is added (tuners_utils).
+    DirectLinearWrapper.__name__ = DirectLinearWrapper.__qualname__ = ParamWrapper.__name__
     return DirectLinearWrapper
 
 
