@@ -610,6 +610,21 @@ def test_the_plan_says_when_it_counts_dsflows_fused_optimizer():
     assert "fused optimizer" not in tables.format_report(three)
 
 
+def test_the_h200_profile_fills_its_gpu_and_fits(monkeypatch):
+    """profiles/h200.yaml is chosen to use the H200: the planner, which errs high on the GPU
+    (docs/performance.md), puts it at 70-90% of the card's memory, at the fused optimizer's
+    ZeRO-0, with no activation checkpointing."""
+    monkeypatch.setattr(machine, "gpus", lambda: [])
+    monkeypatch.setenv("DSFLOW_PROFILES", "profiles/h200.yaml")  # the GPU it plans for
+    host = _args("--disk", "1000", "--host-mem", "256")  # an H200 host, not this machine
+    plan = stage.build_plan(_params("profiles/h200.yaml"), host)
+    assert plan["verdict"]["fits"], plan["verdict"]
+    peak, card = plan["estimate"]["gpu"]["total"], plan["request"]["gpu_mem_bytes"]
+    assert card == request.GPU_MEMORY_BYTES["H200 SXM"]
+    assert 0.7 * card < peak < 0.9 * card
+    assert plan["request"]["zero_stage"] == 0 and not plan["request"]["activation_checkpointing"]
+
+
 def test_the_train_stage_takes_this_plan_when_it_planned_the_same_launch(monkeypatch, tmp_path):
     """reports/plan.json is the train stage's memory plan when the plan stage planned the same
     launch (no estimate is made again); planned for other GPUs, train plans again and says so."""
