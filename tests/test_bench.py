@@ -63,8 +63,12 @@ def test_the_tolerance_scales_with_the_noise_run_and_has_floors(bench):
     assert largest == pytest.approx(bench.NOISE_FACTOR * 0.02 + bench.FLOOR_MAX)
 
 
-def fake_stage(curves: dict, step_s=lambda name: 0.1):
+def fake_stage(curves: dict, step_s=lambda name: 0.1, seen: list | None = None):
+    """The train stage's result for `curves`; `seen` collects each run's overlay."""
+
     def run_stage(name, config, variant, steps, out, profile):
+        if seen is not None:
+            seen.append(variant)
         vname = re.sub(r"-\d+$", "", name.split("-", 1)[1])  # dense-dsflow-2: round 2
         return {
             "name": name,
@@ -87,7 +91,9 @@ def run_bench(bench, monkeypatch, tmp_path, curves: dict, variants: str, *more, 
     monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
     what = "H200 SXM datasheet dense bf16 peak 989.5 TFLOP/s"
     monkeypatch.setattr(bench, "datasheet_peak_tflops", lambda: (989.5, what))
-    monkeypatch.setattr(bench, "flops_per_token", lambda config, frozen=False, seq=1024: 1.2e9)
+    # 1.2 GFLOP per token at seq 1024, linear in seq here so that the seq it gets shows
+    flops = lambda config, frozen=False, seq=1024: 1.2e9 * seq / 1024  # noqa: E731
+    monkeypatch.setattr(bench, "flops_per_token", flops)
     argv = ["x", "--configs", "dense", "--variants", variants, "--out", str(tmp_path), *more]
     monkeypatch.setattr(sys, "argv", argv)
     return bench.main()
@@ -409,24 +415,14 @@ def test_the_batch_shape_is_a_bench_argument(bench, monkeypatch, tmp_path, capsy
     """--micro and --seq (more tokens per expert, say) reach the stage under every variant and
     count in tokens/s, MFU and the table's header."""
     seen = []
-    stage = fake_stage({"dsflow": curve(), "baseline": curve()})
-
-    def run_stage(name, config, variant, *rest):
-        seen.append((variant["micro_batch"], variant["seq_len"]))
-        return stage(name, config, variant, *rest)
-
-    monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
-    monkeypatch.setattr(bench, "datasheet_peak_tflops", lambda: (989.5, "datasheet"))
-    monkeypatch.setattr(bench, "flops_per_token", lambda config, frozen=False, seq=1024: seq)
-    monkeypatch.setattr(bench, "run_stage", run_stage)
-    argv = ["x", "--configs", "dense", "--variants", "baseline,dsflow", "--out", str(tmp_path)]
-    monkeypatch.setattr(sys, "argv", [*argv, "--micro", "32", "--seq", "2048"])
-    assert bench.main() == 0
-    assert seen == [(32, 2048), (32, 2048)]
+    curves = {"dsflow": curve(), "baseline": curve()}
+    more = ("--micro", "32", "--seq", "2048")
+    assert run_bench(bench, monkeypatch, tmp_path, curves, "baseline,dsflow", *more, seen=seen) == 0
+    assert [(v["micro_batch"], v["seq_len"]) for v in seen] == [(32, 2048), (32, 2048)]
     results = json.loads((tmp_path / "results.json").read_text())
     run = results["runs"]["dense"]["dsflow"]
     assert run["tokens_per_s"] == pytest.approx(32 * 2048 / 0.1)
-    assert run["mfu"] == pytest.approx(32 * 2048 / 0.1 * 2048 / 989.5e12)
+    assert run["mfu"] == pytest.approx(32 * 2048 / 0.1 * 2.4e9 / 989.5e12)  # flops at seq 2048
     assert (results["seq"], results["micro"]) == (2048, 32)
     assert "seq 2048, micro 32" in capsys.readouterr().out
 

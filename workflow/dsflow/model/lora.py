@@ -101,17 +101,16 @@ def attach(model: Any, lora: dict) -> Any:
     return adapted
 
 
-def _direct_linear_adapters(model: Any) -> int:
+def _direct_linear_adapters(model: Any) -> None:
     """PEFT's parameter adapter on an `nn.Linear` weight (the dense MLPs, the shared experts)
     adds B A to the weight through `torch.nn.utils.parametrize`, registered and removed at every
     forward. Each registration makes a new class for the module, so torch.compile recompiles each
     layer until its recompile limit and runs the rest eagerly. The adapters found here compute
     the same sum and `F.linear` directly instead: one graph for every layer. They stay PEFT's
-    adapters (a subclass) for saving and merging. Returns how many were switched."""
+    adapters (a subclass) for saving and merging."""
     import torch
 
     wrapper = _direct_wrapper_class()
-    switched = 0
     for module in model.modules():
         if (
             type(module) is wrapper.__base__
@@ -120,8 +119,6 @@ def _direct_linear_adapters(model: Any) -> int:
             and type(module.base_layer) is torch.nn.Linear
         ):
             module.__class__ = wrapper
-            switched += 1
-    return switched
 
 
 @functools.cache
