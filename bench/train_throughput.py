@@ -499,7 +499,10 @@ def parse_args() -> argparse.Namespace:
         "made elsewhere: their losses count, their speed is theirs)",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    return ap.parse_args()
+    args = ap.parse_args()
+    # Steps past the run's last have no losses: the table and the verdict's wording stop there.
+    args.compare_steps = min(args.compare_steps, args.steps)
+    return args
 
 
 def run_config(

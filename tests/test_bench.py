@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from dsflow.paths import shard_index
 
 
 @pytest.fixture(scope="module")
@@ -295,9 +296,20 @@ def test_time_to_quality_is_the_training_time_of_the_first_validation_at_the_tar
     argv = ["x", "--variants", "dsflow", "--within", "0.1", "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
     assert ttq.main() == 0
-    assert "dsflow: step 20, 10.0 s of training" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dsflow: step 20, 10.0 s of training" in out
     saved = json.loads((tmp_path / "time_to_quality.json").read_text())
     assert saved["runs"]["dsflow"]["reached"] == [20, 10.0]
+    # the test corpus is far smaller than 1500 steps of 16 x 1024 tokens: said before any run
+    passes = 1500 * 16 * 1024 / json.loads(shard_index("train").read_text())["tokens"]
+    assert saved["train_passes"] == pytest.approx(passes) and passes > 1
+    assert f"read the train split {passes:.1f} times" in out
+    # out of reach: the closest validation and how far over the floor it stayed
+    monkeypatch.setattr(sys, "argv", [*argv[:4], "0.001", *argv[5:], "--steps", "1"])
+    assert ttq.main() == 0
+    out = capsys.readouterr().out
+    assert "dsflow: not within 0% of the floor in 1 steps; best val" in out
+    assert "(1.0% over) at step 30" in out and "times;" not in out
 
 
 def test_a_run_is_judged_against_dsflow_over_the_steps_asked_for(
@@ -311,7 +323,7 @@ def test_a_run_is_judged_against_dsflow_over_the_steps_asked_for(
     step_s = lambda name: 0.10 if name.endswith("dsflow") else 0.08  # noqa: E731
     for fp8, agrees in ((curve(0.003, phase=1.0, steps=200), True), (late, False)):
         curves["fp8"] = fp8
-        more = ("--reference", "dsflow", "--compare-steps", "200")
+        more = ("--reference", "dsflow", "--compare-steps", "200", "--steps", "200")
         code = run_bench(
             bench, monkeypatch, tmp_path, curves, "dsflow,no-flash,fp8", *more, step_s=step_s
         )
@@ -324,8 +336,25 @@ def test_a_run_is_judged_against_dsflow_over_the_steps_asked_for(
         assert tol["reference"] == "dsflow" and tol["steps"] == 200 and tol["from_noise_run"]
         assert "1.25x" in out  # 0.10 s / 0.08 s against dsflow
     # over the default 50 steps the late parting is not seen
-    run_bench(bench, monkeypatch, tmp_path, curves, "dsflow,no-flash,fp8", "--reference", "dsflow")
+    more = ("--reference", "dsflow", "--steps", "200")
+    run_bench(bench, monkeypatch, tmp_path, curves, "dsflow,no-flash,fp8", *more)
     assert "dense: fp8 vs dsflow agree" in capsys.readouterr().out
+
+
+def test_a_run_shorter_than_the_compared_steps_is_compared_over_its_own(
+    bench, monkeypatch, tmp_path, capsys
+):
+    """--steps 30 with the default 50 compared steps: the loss table stops at step 30 (no
+    zeros for steps never run) and the verdict says 30 steps."""
+    curves = {"baseline": curve(steps=30), "dsflow": curve(0.002, phase=1.0, steps=30)}
+    assert run_bench(bench, monkeypatch, tmp_path, curves, "baseline,dsflow", "--steps", "30") == 0
+    out = capsys.readouterr().out
+    columns = next(line for line in out.splitlines() if "loss at steps" in line).split()
+    assert columns[-1] == "30"
+    assert " 0.000" not in out
+    assert "over the first 30 steps" in out
+    tol = json.loads((tmp_path / "results.json").read_text())["loss_tolerance"]["dense"]
+    assert tol["steps"] == 30
 
 
 def test_runs_of_an_earlier_bench_join_the_comparison(bench, monkeypatch, tmp_path, capsys):
