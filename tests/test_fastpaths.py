@@ -400,6 +400,39 @@ def test_step_profiler_writes_the_phase_table_and_trace(tmp_path):
     assert prof.prof is None and prof.open is None
 
 
+def test_the_profile_sums_kernel_time_by_kind():
+    """The profile table's kernel kinds, on kernel names from an H100 trace of the MoE step:
+    the experts' CUTLASS grouped GEMM is not counted as a GEMM, cuDNN attention's inductor
+    helper is attention, the optimizer is its own kind, and unknown kernels are "other"."""
+    from dsflow.train.diagnostics import kernel_kinds
+
+    grouped = "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6"
+    grouped += "kernel13GemmUniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEE"
+    kernels = [
+        (grouped, 4010.0),
+        ("void at::cuda::detail::prepare_grouped_gemm_data<cutlass::bfloat16_t>", 30.0),
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 3000.0),
+        ("sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize64x128x8_stage3", 200.0),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", 1200.0),
+        ("triton_poi_fused__scaled_dot_product_cudnn_attention_backward_slice_backward", 60.0),
+        ("triton_red_fused__to_copy__unsafe_view_add_div_expand_index_select_mul_pow", 2400.0),
+        ("adamw_master", 2000.0),
+        ("void at::native::multi_tensor_apply_kernel<TensorListMetadata<1>>", 200.0),
+        ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>", 300.0),
+        ("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<Policy>", 100.0),
+        ("Memset (Device)", 20.0),
+    ]
+    text = kernel_kinds(kernels, steps=2)
+    rows = {line[:18].strip(): line[18:].split() for line in text.splitlines()[1:]}
+    ms = {kind: float(cols[0]) for kind, cols in rows.items()}
+    assert ms == {
+        "grouped GEMM": 2.02, "GEMM": 1.6, "fused (inductor)": 1.2, "optimizer": 1.1,
+        "attention": 0.63, "sort / top-k": 0.2, "other": 0.01,
+    }  # fmt: skip
+    assert list(ms) == sorted(ms, key=lambda kind: -ms[kind])  # largest first
+    assert rows["grouped GEMM"][1] == f"{100 * 4040 / 13520:.1f}%"
+
+
 @pytest.mark.parametrize("ce_chunk", [0, 17])
 def test_the_training_forward_reads_nothing_back_from_the_device(ce_chunk):
     """A host read in the forward (HF's packed-sequence check of the position ids) is a host

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -21,11 +22,12 @@ from dsflow.paths import PROFILE
 
 class StepProfiler:
     """DSFLOW_PROFILE=FIRST:LAST[:PATH] profiles optimizer steps FIRST..LAST on rank 0 with
-    torch.profiler and writes a table of the ops and kernels by their time on the device,
-    device busy time vs wall time per step, and where the device waited (idle time per phase of
-    the step: data, forward, backward, optimizer step, sync, bookkeeping; the stop check and
-    checkpoint saves between steps are in none) to PATH (default logs/profile.txt), and the chrome trace beside
-    it (PATH + .trace.json.gz). For docs/performance.md."""
+    torch.profiler. It writes to PATH (default logs/profile.txt): the ops and kernels by their
+    time on the device, device busy time against wall time per step, device time per step by
+    kernel kind (KERNEL_KINDS), and where the device waited (idle time per phase of the step:
+    data, forward, backward, optimizer step, sync, bookkeeping; the stop check and checkpoint
+    saves between steps are in none). The chrome trace goes beside it (PATH + .trace.json.gz).
+    For docs/performance.md."""
 
     PHASES = ("data", "forward", "backward", "optimizer", "sync", "bookkeeping")
 
@@ -89,6 +91,10 @@ class StepProfiler:
                 f"device kernels {busy / 1e3 / steps:.1f} ms/step\n\n"
             )
             f.write(events.table(sort_by=key, row_limit=40, max_name_column_width=70))
+            kernels = [
+                (e.name, e.self_device_time_total) for e in self.prof.events() if _is_device_work(e)
+            ]
+            f.write("\n" + kernel_kinds(kernels, steps) + "\n")
             f.write("\n" + self.idle_by_phase(steps) + "\n")
         self.prof.export_chrome_trace(f"{self.path}.trace.json.gz")  # gzipped by the suffix
         self.prof = None
@@ -133,6 +139,34 @@ def count_within(ranges: list[tuple[float, float]], points: list[float]) -> int:
 
 def _is_device_work(event) -> bool:
     return event.device_type.name == "CUDA" and not getattr(event, "is_user_annotation", False)
+
+
+# Kernel kinds by name, the first match wins: the optimizer's Triton kernel and the gradient
+# norm's multi-tensor launch; CUTLASS's grouped GEMM (the routed experts); cuDNN's attention
+# with its helpers, inductor's (triton_*) included; cuBLAS's GEMMs; the rest of inductor's fused
+# kernels (norms, activations, rotary, the experts' dispatch and combine); routing's sort/top-k.
+KERNEL_KINDS = (
+    ("optimizer", re.compile(r"adamw_master|multi_tensor_apply")),
+    ("grouped GEMM", re.compile(r"GroupProblemShape|PtrArray|grouped_gemm|[Gg]rouped")),
+    ("attention", re.compile(r"cudnn|flash|fmha")),
+    ("GEMM", re.compile(r"gemm|nvjet|cutlass|cublas|xmma", re.IGNORECASE)),
+    ("fused (inductor)", re.compile(r"^triton_")),
+    ("sort / top-k", re.compile(r"[Ss]ort|[Tt]op[Kk]|radix")),
+)
+
+
+def kernel_kinds(kernels: list[tuple[str, float]], steps: int) -> str:
+    """Device time per step by kernel kind (KERNEL_KINDS; "other": the rest), from
+    (kernel name, microseconds) pairs, largest first."""
+    totals: dict[str, float] = {}
+    for name, us in kernels:
+        kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+        totals[kind] = totals.get(kind, 0.0) + us
+    whole = sum(totals.values()) or 1.0
+    lines = [f"{'kernel kind':<18} {'ms/step':>8} {'share':>6}"]
+    for kind, us in sorted(totals.items(), key=lambda item: -item[1]):
+        lines.append(f"{kind:<18} {us / 1e3 / steps:>8.2f} {100 * us / whole:>5.1f}%")
+    return "\n".join(lines)
 
 
 def device_idle(
