@@ -166,6 +166,8 @@ VARIANTS = {
     # FP8 matmuls in the larger dense linears (torchao float8), per tensor or per row
     "fp8": {"perf": {"fp8": "tensorwise"}},
     "fp8-rowwise": {"perf": {"fp8": "rowwise"}},
+    # the routed experts' grouped GEMMs in FP8 (torchao, rowwise; SM90)
+    "fp8-experts": {"perf": {"fp8_experts": True}},
     **FROM_CHECKPOINT,
 }
 # The noise references: the baseline with one exact change of kernel each (MLA's V zero-padded

@@ -200,17 +200,51 @@ def test_sorted_experts_match_hf_grouped_mm(dtype, family):
     ours = copy.deepcopy(hf)
     fastpaths.use_experts(ours, "sorted")
     assert ours.config._experts_implementation == fastpaths.SORTED_EXPERTS
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)
+    assert_trains_alike(hf, ours, **tol)
+
+
+def assert_trains_alike(reference, other, **tol) -> torch.Tensor:
+    """One forward and backward of each model on one batch (returned): the same loss, and every
+    parameter's gradient nonzero and within `tol` of the reference's."""
     inputs, targets = batch(size=3)
     losses = []
-    for model in (hf, ours):
+    for model in (reference, other):
         loss = TrainingLM(model)(inputs, targets)
         loss.backward()
         losses.append(loss.detach())
     torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)  # same forward
-    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)
-    for (name, p), q in zip(hf.named_parameters(), ours.parameters(), strict=True):
+    for (name, p), q in zip(reference.named_parameters(), other.parameters(), strict=True):
         assert q.grad is not None and q.grad.abs().sum() > 0, name
         torch.testing.assert_close(q.grad.float(), p.grad.float(), **tol, msg=name)
+    return inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_pad_each_experts_rows_to_16_and_change_nothing_else(dtype, monkeypatch):
+    """The FP8 experts' grouped GEMMs get every expert's rows padded to a multiple of 16 (zero
+    rows; the last group runs to the end), of one size whatever the routing. With the FP8 GEMM
+    replaced by the plain one (FP8 needs an SM90 GPU), loss and gradients are the unpadded
+    sorted experts' (padding rows add exact zeros)."""
+    plain = tiny(moe_intermediate_size=16).to(dtype)
+    fastpaths.use_experts(plain, "sorted")
+    padded = copy.deepcopy(plain)
+    experts = [m for m in padded.modules() if hasattr(m, "gate_up_proj")]
+    for module in experts:
+        setattr(module, fastpaths.FP8_EXPERTS, True)
+    calls = []
+
+    def grouped_mm(x, weight, offsets):
+        sizes = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
+        assert offsets[-1] == x.shape[0] and (sizes % 16 == 0).all(), sizes
+        calls.append(x.shape[0])
+        return fastpaths._grouped_mm(x, weight, offsets)
+
+    monkeypatch.setattr(fastpaths, "_fp8_grouped_mm", grouped_mm)
+    inputs = assert_trains_alike(plain, padded, rtol=1e-6, atol=1e-7)
+    top_k, n_experts = plain.config.num_experts_per_tok, plain.config.n_routed_experts
+    rows = -(-(inputs.numel() * top_k + n_experts * 15) // 16) * 16
+    assert calls == [rows] * (2 * len(experts))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -5,6 +5,7 @@ refusals."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 
@@ -134,3 +135,94 @@ def test_fp8_run_trains_and_exports_plain_weights(prepared, tmp_path):
     )
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     assert type(model.model.layers[0].mlp.gate_proj) is torch.nn.Linear
+
+
+def test_fp8_experts_refusals_name_the_key(monkeypatch):
+    """train.perf.fp8_experts: the same precision, ZeRO-3 and LoRA refusals as fp8, and one
+    line each where the model or GPU has no FP8 grouped GEMM to run; where it runs, every
+    experts module is marked and the fast-paths line says so."""
+    on = {"fp8_experts": True}
+    assert not fastpaths.resolve({}, "cuda").fp8_experts
+    assert fastpaths.resolve(on, "cuda", zero_stage=2).fp8_experts
+    with pytest.raises(UsageError, match=r"^train\.perf\.fp8_experts: true needs train\.precision"):
+        fastpaths.resolve(on, "cuda", precision="fp16")
+    with pytest.raises(UsageError, match=r"^train\.perf\.fp8_experts: true is not supported with"):
+        fastpaths.resolve(on, "cuda", zero_stage=3)
+    lora = {"model": {"pretrained": "org/model"}, "train": {"finetune": "lora", "perf": on}}
+    with pytest.raises(UsageError, match=r"^params\.yaml: train\.perf\.fp8_experts: true is not"):
+        validate(deep_merge(read_yaml("params.yaml"), lora))
+
+    def refusal(model, experts="sorted", device="cpu"):
+        with pytest.raises(UsageError) as caught:
+            fastpaths.use_fp8_experts(model, experts, torch.device(device))
+        line = str(caught.value)
+        assert line.startswith("train.perf.fp8_experts: true ") and "\n" not in line
+        assert line.endswith("; set train.perf.fp8_experts: false")
+        return line
+
+    moe = tiny("deepseek_v3")
+    dense = build_model(
+        model_config("tiny", VOCAB, {"first_k_dense_replace": 99}), device_type="cpu"
+    )
+    assert "(this one is all dense)" in refusal(dense)
+    assert "needs the sorted experts" in refusal(moe, experts="hf")
+    assert "compute capability 9.0" in refusal(moe)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    odd = build_model(model_config("tiny", VOCAB, {"moe_intermediate_size": 24}), device_type="cpu")
+    assert "multiples of 16, not (128, 24)" in refusal(odd, device="cuda")
+    fastpaths.use_fp8_experts(moe, "sorted", torch.device("cuda"))
+    experts = [m for m in moe.modules() if hasattr(m, "gate_up_proj")]
+    assert experts and all(getattr(m, fastpaths.FP8_EXPERTS) for m in experts)
+    perf = fastpaths.Perf(False, "sdpa", 0, False, experts="sorted", fp8_experts=True)
+    assert perf.describe().endswith("FP8 off, FP8 routed experts (rowwise)")
+
+
+def test_fp8_experts_change_the_runs_fingerprint_and_keep_zero3_out_of_plans():
+    """FP8 experts round differently: a run resumes only in the precision it trained in (off
+    keeps every earlier fingerprint), and the planner offers no ZeRO-3 layout the stage would
+    refuse."""
+    from dsflow.plan.request import _perf
+    from dsflow.train.checkpoint import fingerprint
+
+    params = read_yaml("params.yaml")
+    on = deep_merge(params, {"train": {"perf": {"fp8_experts": True}}})
+    without = copy.deepcopy(params)
+    del without["train"]["perf"]["fp8_experts"]
+    prints = [fingerprint(p, 48, "sha") for p in (params, without, on)]
+    assert prints[0] == prints[1] != prints[2]
+    assert _perf(on["train"], "cuda", "bf16")["no_zero3"] == "train.perf.fp8_experts: true"
+    assert _perf(params["train"], "cuda", "bf16")["no_zero3"] == ""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="torch's FP8 grouped GEMM needs a GPU of compute capability 9.0",
+)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cuda_fp8_experts_train_like_bf16(compiled):
+    """On an H100/H200: the FP8 experts' loss and gradients against the bf16 sorted experts',
+    within FP8's rounding, eager and in compiled layers; every parameter gets a finite
+    gradient (the padding rows feed none of them)."""
+    pytest.importorskip("torchao.prototype.moe_training.fp8_grouped_mm")
+    plain = tiny("deepseek_v3").to("cuda", torch.bfloat16)
+    perf = fastpaths.Perf(compiled, "sdpa", 0, False, experts="sorted")
+    fastpaths.apply(plain, perf)
+    fp8 = tiny("deepseek_v3").to("cuda", torch.bfloat16)
+    applied = fastpaths.apply(fp8, dataclasses.replace(perf, fp8_experts=True))
+    assert applied.fp8_experts and "FP8 routed experts" in applied.describe()
+    x = torch.randint(0, VOCAB, (4, 65), generator=torch.Generator().manual_seed(1)).cuda()
+    results = []
+    for model in (plain, fp8):
+        loss = TrainingLM(model, ce_chunk=0)(x[:, :-1], x[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), dict(model.named_parameters())))
+    (loss_p, params_p), (loss_f, params_f) = results
+    assert loss_f.item() == pytest.approx(loss_p.item(), rel=1e-2)
+    for name, p in params_f.items():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    for name in ("gate_up_proj", "down_proj"):
+        full = f"model.layers.1.mlp.experts.{name}"
+        want, got = params_p[full].grad.float(), params_f[full].grad.float()
+        gap = (got - want).norm() / want.norm()
+        assert 0 < gap < 0.1, (name, gap.item())

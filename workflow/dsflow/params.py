@@ -135,6 +135,13 @@ def validate(params: dict, source: str = "params.yaml") -> dict:
     return params
 
 
+def fp8_on(perf: dict) -> list[tuple[str, str]]:
+    """The FP8 settings of `train.perf` that are on (false, or absent, is off), each as (key,
+    its value as params.yaml writes it), `fp8` (the dense linears) first."""
+    on = [(key, perf.get(key)) for key in ("fp8", "fp8_experts")]
+    return [(key, "true" if value is True else str(value)) for key, value in on if value]
+
+
 def check_finetune(params: dict, source: str) -> None:
     """LoRA adapts an existing model: it needs one to load and freeze."""
     train = params["train"]
@@ -145,13 +152,13 @@ def check_finetune(params: dict, source: str) -> None:
             f"{source}: train.finetune: lora needs model.pretrained (the checkpoint whose weights "
             "stay frozen); set model.pretrained, or train.finetune: full to train every weight"
         )
-    fp8 = (train.get("perf") or {}).get("fp8")
-    if fp8:
-        # torchao's float8 linear forms the weight gradient whether or not the weight
-        # trains: under LoRA that is a frozen base's wasted GEMM per linear.
+    for key, value in fp8_on(train.get("perf") or {}):
+        # torchao's float8 linear and grouped GEMM form the weight gradient whether or not
+        # the weight trains: under LoRA that is a frozen base's wasted GEMM per weight.
         raise UsageError(
-            f"{source}: train.perf.fp8: {fp8} is not supported with train.finetune: lora (the "
-            "frozen base weights' gradients would still be computed); set train.perf.fp8: false"
+            f"{source}: train.perf.{key}: {value} is not supported with train.finetune: lora "
+            "(the frozen base weights' gradients would still be computed); set "
+            f"train.perf.{key}: false"
         )
 
 

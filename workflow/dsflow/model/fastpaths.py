@@ -28,6 +28,8 @@
   the k weighted outputs as HF. `auto` = sorted on CUDA in bf16 at ZeRO-0/1/2 (HF's
   experts elsewhere, and on a GPU below SM80 or for another experts layout), HF's on CPU
   (its gain with the hooks traced: docs/performance.md).
+- `fp8_experts` (opt-in): the sorted experts' two grouped GEMMs in FP8 (torchao's rowwise
+  grouped GEMM, SM90), each expert's rows padded with zero rows to a multiple of 16.
 - `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.train.masteradam) instead of
   DeepSpeed's bf16 optimizer wrapper: one pass over memory for the whole step, no copies of
   the gradients into fp32 buffers, and no host sync (it skips a non-finite step on the device).
@@ -55,6 +57,7 @@ as eager kernels (inductor generates no code for complex operators).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,11 +66,14 @@ import torch.nn.functional as F
 
 from dsflow.errors import UsageError
 from dsflow.model import float8
+from dsflow.params import fp8_on
 
 # HF treats any implementation name containing "flash" as a flash-attn package to import.
 FLASH_PADDED = "dsflow_padded_sdpa"
 DEFAULT_CE_CHUNK = 8192
 SORTED_EXPERTS = "dsflow_sorted"
+FP8_EXPERTS = "dsflow_fp8_experts"  # set on an experts module: its grouped GEMMs run in FP8
+FP8_GROUP_ROWS = 16  # torch's FP8 grouped GEMM needs every group's rows in multiples of 16
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,7 @@ class Perf:
     )
     fp8: str = "off"  # "off" | a dsflow.model.float8 recipe: "tensorwise" | "rowwise"
     fp8_linears: int = 0  # how many linears apply() turned into float8 ones
+    fp8_experts: bool = False  # the routed experts' grouped GEMMs in FP8 (sorted experts)
 
     @property
     def hooks_traced(self) -> bool:
@@ -108,6 +115,7 @@ class Perf:
             f"optimizer {'fused AdamW (fp32 masters)' if self.optimizer == 'fused' else 'DeepSpeed'}, "
             f"step metrics {'read one step late' if self.async_metrics else 'read at once'}, "
             f"FP8 {f'{self.fp8} on {self.fp8_linears} linears' if self.fp8 != 'off' else 'off'}"
+            f"{', FP8 routed experts (rowwise)' if self.fp8_experts else ''}"
         )
 
 
@@ -172,30 +180,38 @@ def resolve(
         ),
         async_metrics=bool(pick("async_metrics", True, False)),
         fp8=fp8_choice(perf, zero_stage, precision),
+        fp8_experts=bool(perf.get("fp8_experts")) and fp8_allowed(perf, zero_stage, precision),
     )
 
 
 def fp8_choice(perf: dict, zero_stage: int, precision: str) -> str:
     """`train.perf.fp8`, opt-in: where it runs (dsflow.model.float8) or one line why not."""
     recipe = perf.get("fp8") or "off"  # false (YAML's off too) = off
-    if recipe == "off":
-        return recipe
+    if recipe != "off":
+        fp8_allowed({"fp8": recipe}, zero_stage, precision)
+    return recipe
+
+
+def fp8_allowed(perf: dict, zero_stage: int, precision: str) -> bool:
+    """True, or one line why FP8 (`train.perf.fp8` or `fp8_experts`, whichever is on) cannot
+    run with this precision and ZeRO stage."""
+    key, value = fp8_on(perf)[0]
+    recipe, off = f"train.perf.{key}: {value}", f"train.perf.{key}: false"
     if precision != "bf16":
         # torchao scales each tensor into FP8 itself; fp16's dynamic loss scale is untested
         # with it, and its rowwise GEMM has no fp32 output below SM90.
         raise UsageError(
-            f"train.perf.fp8: {recipe} needs train.precision: bf16 (this run has {precision}); "
-            "set train.precision: bf16 or train.perf.fp8: false"
+            f"{recipe} needs train.precision: bf16 (this run has {precision}); "
+            f"set train.precision: bf16 or {off}"
         )
     if zero_stage == 3:
         # ZeRO-3 gathers each weight in module hooks; torchao's float8 linears under them are
         # untested (torchtitan runs them under FSDP2 with an FP8 all-gather instead).
         raise UsageError(
-            f"train.perf.fp8: {recipe} is not supported with ZeRO-3 (untested with "
-            "DeepSpeed's partitioned weights); use train.zero_stage 0, 1 or 2, or "
-            "train.perf.fp8: false"
+            f"{recipe} is not supported with ZeRO-3 (untested with DeepSpeed's partitioned "
+            f"weights); use train.zero_stage 0, 1 or 2, or {off}"
         )
-    return recipe
+    return True
 
 
 def optimizer_choice(
@@ -307,13 +323,15 @@ class _Dispatch(torch.autograd.Function):
 
     `order` sorts the flattened (token, k) slots by expert and `inverse` undoes it, so the
     gradient is a gather through `inverse` and a sum over each token's k rows (autograd's
-    backward of the same indexing would scatter-add into repeated rows)."""
+    backward of the same indexing would scatter-add into repeated rows). A padded `order`
+    (longer than `inverse`, see _pad_groups) holds the sentinel slot `inverse.numel()` in its
+    padding rows, which read a zero row."""
 
     @staticmethod
     def forward(ctx, x, order, inverse, top_k):
         ctx.save_for_backward(inverse)
         ctx.top_k = top_k
-        return x.index_select(0, order // top_k)
+        return _with_zero_row(x, order, inverse).index_select(0, order // top_k)
 
     @staticmethod
     def backward(ctx, grad):
@@ -326,7 +344,7 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     """out[t] = sum_k weights[t, k] * rows[inverse[t * k_all + k]]: the expert outputs (rows,
     in expert order) back in token order, weighted and summed in fp32 as HF's grouped_mm path
-    does; both gradients are gathers."""
+    does; both gradients are gathers (a padding row of a padded `order` gets a zero gradient)."""
 
     @staticmethod
     def forward(ctx, rows, weights, order, inverse, dtype):
@@ -343,9 +361,36 @@ class _Combine(torch.autograd.Function):
         grad = grad.float()
         per_token = rows.index_select(0, inverse).view(tokens, top_k, -1)
         grad_weights = (per_token.float() * grad.unsqueeze(1)).sum(-1)
-        slot_weight = weights.reshape(-1).index_select(0, order).float().unsqueeze(-1)
-        grad_rows = grad.index_select(0, order // top_k) * slot_weight
+        slot_weight = _with_zero_row(weights.reshape(-1), order, inverse).index_select(0, order)
+        grad_rows = _with_zero_row(grad, order, inverse).index_select(0, order // top_k)
+        grad_rows = grad_rows * slot_weight.float().unsqueeze(-1)
         return grad_rows.to(rows.dtype), grad_weights.to(weights.dtype), None, None, None
+
+
+def _with_zero_row(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """`x` with a zero row appended where `order` is padded (its sentinel slot reads it)."""
+    if order.numel() == inverse.numel():
+        return x
+    return torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+
+
+def _pad_groups(
+    sorted_experts: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, align: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert's rows padded to a multiple of `align` (FP8 grouped GEMMs need 16), on the
+    device and of a fixed size (no host sync, one compiled shape): (padded order, where each
+    sorted slot went, padded group ends). The padding rows hold the sentinel slot
+    `order.numel()`; the last group runs to the end, so every row is in a group and is finite."""
+    n = order.numel()
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    padded = (counts + align - 1) // align * align
+    size = -(-(n + offsets.numel() * (align - 1)) // align) * align
+    ends = torch.cumsum(padded, 0, dtype=torch.int32)
+    ends[-1] = size
+    shift = (ends - padded) - (offsets - counts)  # padded start - start, per expert
+    where = torch.arange(n, device=order.device) + shift.long().index_select(0, sorted_experts)
+    padded_order = torch.full((size,), n, dtype=order.dtype, device=order.device)
+    return padded_order.scatter(0, where, order), where, ends
 
 
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -384,16 +429,31 @@ def _sorted_experts(
 ) -> torch.Tensor:
     top_k = top_k_index.shape[-1]
     sorted_experts, order = torch.sort(top_k_index.reshape(-1), stable=True)
-    inverse = torch.empty_like(order).scatter_(
-        0, order, torch.arange(order.numel(), device=order.device)
-    )
     # The end of each expert's rows; from the sorted ids, so no count leaves the device.
     ends = torch.arange(1, self.num_experts + 1, device=order.device, dtype=sorted_experts.dtype)
     offsets = torch.searchsorted(sorted_experts, ends, out_int32=True)
-    rows = _Dispatch.apply(hidden_states, order, inverse, top_k)
-    up = _grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offsets)
-    down = _grouped_mm(self._apply_gate(up), self.down_proj.transpose(-2, -1), offsets)
-    return _Combine.apply(down, top_k_weights, order, inverse, hidden_states.dtype)
+    if getattr(self, FP8_EXPERTS, False):
+        gmm = _fp8_grouped_mm
+        padded, rows_of, offsets = _pad_groups(sorted_experts, order, offsets, FP8_GROUP_ROWS)
+    else:
+        gmm, padded, rows_of = _grouped_mm, order, torch.arange(order.numel(), device=order.device)
+    # Slot (token, k) -> its row: the inverse of the sort (through the padding, if any).
+    inverse = torch.empty_like(order).scatter_(0, order, rows_of)
+    rows = _Dispatch.apply(hidden_states, padded, inverse, top_k)
+    up = gmm(rows, self.gate_up_proj.transpose(-2, -1), offsets)
+    down = gmm(self._apply_gate(up), self.down_proj.transpose(-2, -1), offsets)
+    return _Combine.apply(down, top_k_weights, padded, inverse, hidden_states.dtype)
+
+
+def _fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`_grouped_mm` in FP8: torchao's rowwise-scaled grouped GEMM (torch's
+    `_scaled_grouped_mm`, compute capability 9.0) on groups padded to 16 rows; its backward
+    computes both gradients in FP8 too."""
+    from torchao.prototype.moe_training.fp8_grouped_mm import (
+        _to_fp8_rowwise_then_scaled_grouped_mm as fp8_gmm,
+    )
+
+    return fp8_gmm(x, weight, offsets, torch.bfloat16, pad_token_groups_for_grouped_mm=False)
 
 
 _sorted_experts_eager = torch.compiler.disable(_sorted_experts)
@@ -416,6 +476,31 @@ def use_experts(model: Any, experts: str, fallback: bool = False) -> str:
     ALL_EXPERTS_FUNCTIONS.register(SORTED_EXPERTS, sorted_experts_forward)
     model.set_experts_implementation(SORTED_EXPERTS)
     return "sorted"
+
+
+def use_fp8_experts(model: Any, experts: str, device: Any = None) -> None:
+    """The routed experts' grouped GEMMs in FP8 (_fp8_grouped_mm), or one line why not: they
+    need the sorted experts, torch's FP8 grouped GEMM (CUDA, compute capability 9.0) and
+    expert widths that are multiples of 16 (its shape rule)."""
+    config = model.config
+    on = torch.device(device or next(model.parameters()).device)
+    widths = (config.hidden_size, getattr(config, "moe_intermediate_size", 0))
+    banks = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    why = ""
+    if not banks:
+        why = "needs a model with routed experts (this one is all dense)"
+    elif experts != "sorted":
+        why = "needs the sorted experts (train.perf.experts: auto on a GPU, or sorted)"
+    elif on.type != "cuda" or torch.cuda.get_device_capability(on) < (9, 0):
+        why = "needs torch's FP8 grouped GEMM: a CUDA GPU of compute capability 9.0 (H100, H200)"
+    elif any(w % FP8_GROUP_ROWS for w in widths):
+        why = f"needs hidden_size and moe_intermediate_size in multiples of 16, not {widths}"
+    elif importlib.util.find_spec("torchao") is None:
+        why = "needs torchao, which is not installed (pip install 'dsflow[fp8]')"
+    if why:
+        raise UsageError(f"train.perf.fp8_experts: true {why}; set train.perf.fp8_experts: false")
+    for module in banks:
+        setattr(module, FP8_EXPERTS, True)
 
 
 def _sorted_experts_refusal(model: Any) -> str | None:
@@ -444,6 +529,8 @@ def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> P
     use_attention(model, perf.attention)
     experts = use_experts(model, perf.experts, perf.experts_fallback)
     perf = dataclasses.replace(perf, experts=experts, experts_fallback=False)
+    if perf.fp8_experts:
+        use_fp8_experts(model, experts, device)
     if perf.fp8 != "off":
         # Before compile, so the float8 casts are traced into the layers' graphs.
         on_gpu = (device or next(model.parameters()).device).type == "cuda"

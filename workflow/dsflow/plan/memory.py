@@ -160,7 +160,7 @@ class Setup:
     ce_chunk: int = 0  # train.perf.ce_chunk as resolved: 0 = the full fp32 logits
     compiled: bool = False  # train.perf.compile as resolved; no layout compiles at ZeRO-3
     # The setting that makes the train stage refuse ZeRO-3 (train.perf.compile: true, or
-    # train.perf.fp8 on), so that no plan offers it; "" = none.
+    # train.perf.fp8 or fp8_experts on), so that no plan offers it; "" = none.
     no_zero3: str = ""
 
     @property

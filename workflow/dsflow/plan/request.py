@@ -14,6 +14,7 @@ from dsflow import dsconfig, machine
 from dsflow.errors import UsageError
 from dsflow.model import lora, presets, source
 from dsflow.model.build import load_checkpoint_config
+from dsflow.params import fp8_on
 from dsflow.paths import shard_index
 from dsflow.plan import memory
 
@@ -362,9 +363,9 @@ def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
     if precision == "fp16":
         perf["ce_chunk"] = 0
     chosen = fastpaths.resolve(perf, device, precision=precision)
-    fp8 = asked.get("fp8")
+    fp8 = fp8_on(asked)
     # The train stage refuses ZeRO-3 with these (dsflow.model.fastpaths): no plan offers it.
-    no_zero3 = f"train.perf.fp8: {fp8}" if fp8 else ""
+    no_zero3 = f"train.perf.{fp8[0][0]}: {fp8[0][1]}" if fp8 else ""
     if perf.get("compile") is True:
         no_zero3 = "train.perf.compile: true"
     return {"ce_chunk": chosen.ce_chunk, "compiled": chosen.compile, "no_zero3": no_zero3}

@@ -44,6 +44,7 @@ import numpy as np
 
 from dsflow.atomic import atomic_file, fsync_dir
 from dsflow.errors import UsageError
+from dsflow.params import fp8_on
 from dsflow.paths import CHECKPOINTS
 from dsflow.train.health import EXIT_FATAL, report_fatal
 
@@ -99,9 +100,9 @@ def fingerprint(params: dict, global_batch: int, data_sha: str) -> str:
         train["offload"] = {k: train["offload"].get(k) for k in ("optimizer", "param")}
     # FP8 matmuls round differently from bf16 ones: a run resumes in the precision it trained
     # in. Only when on, so that every run without it keeps its fingerprint.
-    fp8 = (params["train"].get("perf") or {}).get("fp8")
-    if fp8:
-        train["fp8"] = fp8
+    perf = params["train"].get("perf") or {}
+    for key, _ in fp8_on(perf):
+        train[key] = perf[key]
     blob = json.dumps(
         {
             "seed": params["seed"],
