@@ -204,6 +204,21 @@ def test_sorted_experts_match_hf_grouped_mm(dtype, family):
     assert_trains_alike(hf, ours, **tol)
 
 
+def test_padded_expert_groups_keep_every_slot_and_give_empty_experts_16_zero_rows():
+    """_pad_groups on a routing where expert 0 gets no token, 1 gets 17 and 2 gets 3: groups of
+    16, 32 and the rest (3 + padding to the fixed size); each slot keeps its row, the rest hold
+    the sentinel."""
+    experts = torch.tensor([1] * 17 + [2] * 3)
+    order = torch.randperm(20, generator=torch.Generator().manual_seed(0))
+    offsets = torch.tensor([0, 17, 20], dtype=torch.int32)
+    padded, where, ends = fastpaths._pad_groups(experts, order, offsets, 16)
+    size = -(-(20 + 3 * 16) // 16) * 16
+    assert ends.tolist() == [16, 48, size] and padded.numel() == size
+    assert where.tolist() == list(range(16, 33)) + [48, 49, 50]
+    assert torch.equal(padded[where], order)
+    assert (padded[torch.ones(size, dtype=torch.bool).index_fill_(0, where, False)] == 20).all()
+
+
 def assert_trains_alike(reference, other, **tol) -> torch.Tensor:
     """One forward and backward of each model on one batch (returned): the same loss, and every
     parameter's gradient nonzero and within `tol` of the reference's."""
@@ -222,8 +237,8 @@ def assert_trains_alike(reference, other, **tol) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_experts_pad_each_experts_rows_to_16_and_change_nothing_else(dtype, monkeypatch):
-    """The FP8 experts' grouped GEMMs get every expert's rows padded to a multiple of 16 (zero
-    rows; the last group runs to the end), of one size whatever the routing. With the FP8 GEMM
+    """The FP8 experts' grouped GEMMs get every expert's rows padded to a multiple of 16, at
+    least 16 (zero rows; the last group runs to the end), of one size whatever the routing. With the FP8 GEMM
     replaced by the plain one (FP8 needs an SM90 GPU), loss and gradients are the unpadded
     sorted experts' (padding rows add exact zeros)."""
     plain = tiny(moe_intermediate_size=16).to(dtype)
@@ -236,14 +251,14 @@ def test_fp8_experts_pad_each_experts_rows_to_16_and_change_nothing_else(dtype, 
 
     def grouped_mm(x, weight, offsets):
         sizes = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
-        assert offsets[-1] == x.shape[0] and (sizes % 16 == 0).all(), sizes
+        assert offsets[-1] == x.shape[0] and (sizes % 16 == 0).all() and sizes.min() >= 16
         calls.append(x.shape[0])
         return fastpaths._grouped_mm(x, weight, offsets)
 
     monkeypatch.setattr(fastpaths, "_fp8_grouped_mm", grouped_mm)
     inputs = assert_trains_alike(plain, padded, rtol=1e-6, atol=1e-7)
     top_k, n_experts = plain.config.num_experts_per_tok, plain.config.n_routed_experts
-    rows = -(-(inputs.numel() * top_k + n_experts * 15) // 16) * 16
+    rows = -(-(inputs.numel() * top_k + n_experts * 16) // 16) * 16
     assert calls == [rows] * (2 * len(experts))
 
 

@@ -29,7 +29,7 @@
   experts elsewhere, and on a GPU below SM80 or for another experts layout), HF's on CPU
   (its gain with the hooks traced: docs/performance.md).
 - `fp8_experts` (opt-in): the sorted experts' two grouped GEMMs in FP8 (torchao's rowwise
-  grouped GEMM, SM90), each expert's rows padded with zero rows to a multiple of 16.
+  grouped GEMM, SM90), each expert's rows padded with zero rows to a multiple of 16 (at least 16).
 - `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.train.masteradam) instead of
   DeepSpeed's bf16 optimizer wrapper: one pass over memory for the whole step, no copies of
   the gradients into fp32 buffers, and no host sync (it skips a non-finite step on the device).
@@ -377,17 +377,18 @@ def _with_zero_row(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) 
 def _pad_groups(
     sorted_experts: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, align: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each expert's rows padded to a multiple of `align` (FP8 grouped GEMMs need 16), on the
-    device and of a fixed size (no host sync, one compiled shape): (padded order, where each
-    sorted slot went, padded group ends). The padding rows hold the sentinel slot
-    `order.numel()`; the last group runs to the end, so every row is in a group and is finite."""
+    """Each expert's rows padded to a multiple of `align` (FP8 grouped GEMMs need 16), at least
+    `align` rows (an empty group would get no finite FP8 scale), on the device and of a fixed
+    size (no host sync, one compiled shape): (padded order, where each sorted slot went, padded
+    group ends). The padding rows hold the sentinel slot `order.numel()`; the last group runs to
+    the end, so every row is in a group and is finite."""
     n = order.numel()
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    padded = (counts + align - 1) // align * align
-    size = -(-(n + offsets.numel() * (align - 1)) // align) * align
+    padded = ((counts + align - 1) // align * align).clamp_min(align)
+    size = -(-(n + offsets.numel() * align) // align) * align
     ends = torch.cumsum(padded, 0, dtype=torch.int32)
-    ends[-1] = size
     shift = (ends - padded) - (offsets - counts)  # padded start - start, per expert
+    ends[-1] = size
     where = torch.arange(n, device=order.device) + shift.long().index_select(0, sorted_experts)
     padded_order = torch.full((size,), n, dtype=order.dtype, device=order.device)
     return padded_order.scatter(0, where, order), where, ends
