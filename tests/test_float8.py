@@ -170,7 +170,13 @@ def test_fp8_experts_refusals_name_the_key(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     odd = build_model(model_config("tiny", VOCAB, {"moe_intermediate_size": 24}), device_type="cpu")
     assert "multiples of 16, not (128, 24)" in refusal(odd, device="cuda")
+    module = "torchao.prototype.moe_training.fp8_grouped_mm"
+    with monkeypatch.context() as without:
+        without.setitem(sys.modules, module, None)  # not installed
+        assert "needs torchao, which is not installed" in refusal(moe, device="cuda")
+    monkeypatch.setattr(fastpaths, "_FP8_GMM", None)  # set below; undone after the test
     fastpaths.use_fp8_experts(moe, "sorted", torch.device("cuda"))
+    assert fastpaths._FP8_GMM is sys.modules[module]._to_fp8_rowwise_then_scaled_grouped_mm
     experts = [m for m in moe.modules() if hasattr(m, "gate_up_proj")]
     assert experts and all(getattr(m, fastpaths.FP8_EXPERTS) for m in experts)
     perf = fastpaths.Perf(False, "sdpa", 0, False, experts="sorted", fp8_experts=True)

@@ -57,7 +57,6 @@ as eager kernels (inductor generates no code for complex operators).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -449,12 +448,22 @@ def _sorted_experts(
 def _fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """`_grouped_mm` in FP8: torchao's rowwise-scaled grouped GEMM (torch's
     `_scaled_grouped_mm`, compute capability 9.0) on groups padded to 16 rows; its backward
-    computes both gradients in FP8 too."""
-    from torchao.prototype.moe_training.fp8_grouped_mm import (
-        _to_fp8_rowwise_then_scaled_grouped_mm as fp8_gmm,
-    )
+    computes both gradients in FP8 too. Imported by use_fp8_experts, not while tracing."""
+    return _FP8_GMM(x, weight, offsets, torch.bfloat16, pad_token_groups_for_grouped_mm=False)
 
-    return fp8_gmm(x, weight, offsets, torch.bfloat16, pad_token_groups_for_grouped_mm=False)
+
+_FP8_GMM: Any = None
+
+
+def _torchao_fp8_grouped_mm() -> Any:
+    """torchao's differentiable FP8 grouped GEMM, or None where torchao is not installed."""
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import (
+            _to_fp8_rowwise_then_scaled_grouped_mm as fp8_gmm,
+        )
+    except ImportError:
+        return None
+    return fp8_gmm
 
 
 _sorted_experts_eager = torch.compiler.disable(_sorted_experts)
@@ -496,10 +505,12 @@ def use_fp8_experts(model: Any, experts: str, device: Any = None) -> None:
         why = "needs torch's FP8 grouped GEMM: a CUDA GPU of compute capability 9.0 (H100, H200)"
     elif any(w % FP8_GROUP_ROWS for w in widths):
         why = f"needs hidden_size and moe_intermediate_size in multiples of 16, not {widths}"
-    elif importlib.util.find_spec("torchao") is None:
+    elif (gmm := _torchao_fp8_grouped_mm()) is None:
         why = "needs torchao, which is not installed (pip install 'dsflow[fp8]')"
     if why:
         raise UsageError(f"train.perf.fp8_experts: true {why}; set train.perf.fp8_experts: false")
+    global _FP8_GMM
+    _FP8_GMM = gmm
     for module in banks:
         setattr(module, FP8_EXPERTS, True)
 
