@@ -64,8 +64,11 @@ def test_the_tolerance_scales_with_the_noise_run_and_has_floors(bench):
     assert largest == pytest.approx(bench.NOISE_FACTOR * 0.02 + bench.FLOOR_MAX)
 
 
-def fake_stage(curves: dict, step_s=lambda name: 0.1, seen: list | None = None):
-    """The train stage's result for `curves`; `seen` collects each run's overlay."""
+def fake_stage(
+    curves: dict, step_s=lambda name: 0.1, seen: list | None = None, more: dict | None = None
+):
+    """The train stage's result for `curves`; `seen` collects each run's overlay, `more` adds
+    fields to every result."""
 
     def run_stage(name, config, variant, steps, out, profile):
         if seen is not None:
@@ -80,6 +83,7 @@ def fake_stage(curves: dict, step_s=lambda name: 0.1, seen: list | None = None):
             "params_total": 200e6,
             "params_activated": 190e6,
             "wall_s": 1.0,
+            **(more or {}),
         }
 
     return run_stage
@@ -237,19 +241,9 @@ def test_variants_stack_with_plus_and_a_wrong_name_stops_before_any_run(bench):
 def test_each_run_prints_the_planned_against_the_measured_peak(
     bench, monkeypatch, tmp_path, capsys
 ):
-    flat = curve()
-    stage = fake_stage({"baseline": flat, "dsflow": flat})
-
-    def with_memory(*args):
-        return {**stage(*args), "reserved_gb": 10.0, "planned_gb": 11.0}
-
-    monkeypatch.setattr(bench, "run_stage", with_memory)
-    monkeypatch.setattr(bench, "matmul_peak_tflops", lambda: 700.0)
-    monkeypatch.setattr(bench, "datasheet_peak_tflops", lambda: (989.5, "datasheet"))
-    monkeypatch.setattr(bench, "flops_per_token", lambda config, frozen=False, seq=1024: 1.2e9)
-    argv = ["x", "--configs", "dense", "--variants", "baseline,dsflow", "--out", str(tmp_path)]
-    monkeypatch.setattr(sys, "argv", argv)
-    bench.main()
+    curves = {"baseline": curve(), "dsflow": curve()}
+    memory = {"reserved_gb": 10.0, "planned_gb": 11.0}
+    run_bench(bench, monkeypatch, tmp_path, curves, "baseline,dsflow", more=memory)
     out = capsys.readouterr().out
     assert "planned 11.0 GB vs reserved 10.0 GB (+10%)" in out
     assert "plan/rsv" in out and " 1.10 " in out
