@@ -12,8 +12,8 @@ shard index); the floor is the builtin corpus's val entropy (data/raw/manifest.j
 lower bound for any model of it. A run is stopped at its first validation within the margin
 (checkpoints/.stop, as the stage's own signal handler does it): the later steps would not change
 the figure, and the schedule, set by `--steps`, is the same for every variant. A run that reads
-the train split more than once memorizes it (train loss far below the floor, val stalled above
-it): the bench says so first, and a run out of reach reports its closest validation.
+the train split more than once trains on repeats, which can hold val above the target: the bench
+says so first, and a run out of reach reports its closest validation.
 
     python bench/time_to_quality.py --config dense --variants baseline,dsflow --within 0.10
 
@@ -51,8 +51,8 @@ def bytes_per_token() -> float:
 
 def passes(steps: int) -> float:
     """How many times a run of `steps` steps reads the train split. Past one pass the model
-    starts to memorize the documents it has seen: its train loss falls far below the floor
-    while val stops short of it, so the figure needs a corpus that outlasts the run."""
+    sees documents again, which can leave val above a target that fresh documents would
+    reach: the figure is cleanest on a corpus that outlasts the run."""
     tokens = json.loads(shard_index("train").read_text())["tokens"]
     return steps * tt.SEQ * tt.MICRO / tokens
 
@@ -120,7 +120,7 @@ def main() -> int:
     if reads > 1:
         print(
             f"warning: {args.steps} steps read the train split {reads:.1f} times; the model "
-            "memorizes repeats and val may stop short of the target: generate more documents "
+            "trains on repeats, which can hold val above the target: generate more documents "
             "(download.max_docs) or lower --steps"
         )
     results = {

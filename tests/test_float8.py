@@ -160,13 +160,23 @@ def test_fp8_experts_refusals_name_the_key(monkeypatch):
         assert line.endswith("; set train.perf.fp8_experts: false")
         return line
 
+    def machine_refusal(device, gpus):
+        with pytest.raises(UsageError) as caught:
+            fastpaths.check_fp8_experts_machine(device, gpus)
+        return str(caught.value)
+
+    h100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "capability": [9, 0]}
+    b200 = {"index": 1, "name": "NVIDIA B200", "capability": [10, 0]}
+    fastpaths.check_fp8_experts_machine("cuda", [h100])
+    assert "GPU 1 (NVIDIA B200) is not;" in machine_refusal("cuda", [h100, b200])
+    assert "this run is on the cpu; set train.perf.fp8_experts: false" in machine_refusal("cpu", [])
     moe = tiny("deepseek_v3")
     dense = build_model(
         model_config("tiny", VOCAB, {"first_k_dense_replace": 99}), device_type="cpu"
     )
     assert "(this one is all dense)" in refusal(dense)
     assert "needs the sorted experts" in refusal(moe, experts="hf")
-    assert "compute capability 9.0" in refusal(moe)
+    assert "compute capability 9.x" in refusal(moe)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     odd = build_model(model_config("tiny", VOCAB, {"moe_intermediate_size": 24}), device_type="cpu")
     assert "multiples of 16, not (128, 24)" in refusal(odd, device="cuda")
@@ -174,6 +184,7 @@ def test_fp8_experts_refusals_name_the_key(monkeypatch):
     with monkeypatch.context() as without:
         without.setitem(sys.modules, module, None)  # not installed
         assert "needs torchao, which is not installed" in refusal(moe, device="cuda")
+        assert "needs torchao, which is not installed" in machine_refusal("cuda", [h100])
     monkeypatch.setattr(fastpaths, "_FP8_GMM", None)  # set below; undone after the test
     fastpaths.use_fp8_experts(moe, "sorted", torch.device("cuda"))
     assert fastpaths._FP8_GMM is sys.modules[module]._to_fp8_rowwise_then_scaled_grouped_mm

@@ -377,8 +377,8 @@ def _pad_groups(
     sorted_experts: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, align: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each expert's rows padded to a multiple of `align` (FP8 grouped GEMMs need 16), at least
-    `align` rows (an empty group would get no finite FP8 scale), on the device and of a fixed
-    size (no host sync, one compiled shape): (padded order, where each sorted slot went, padded
+    `align` rows (no group is empty: whether the GEMM writes an empty group's weight gradient is
+    not relied on), on the device and of a fixed size (no host sync, one compiled shape): (padded order, where each sorted slot went, padded
     group ends). The padding rows hold the sentinel slot `order.numel()`; the last group runs to
     the end, so every row is in a group and is finite."""
     n = order.numel()
@@ -488,6 +488,24 @@ def use_experts(model: Any, experts: str, fallback: bool = False) -> str:
     return "sorted"
 
 
+# torchao's FP8 grouped GEMM is written for Hopper; torch refuses or fails on other majors.
+FP8_EXPERTS_GPU = "needs torch's FP8 grouped GEMM: a GPU of compute capability 9.x (H100, H200)"
+FP8_EXPERTS_TORCHAO = "needs torchao, which is not installed (pip install 'dsflow[fp8]')"
+
+
+def check_fp8_experts_machine(device: str, gpus: list[dict]) -> None:
+    """`train.perf.fp8_experts`'s device, GPUs and torchao, in one line before the launch (the
+    model's own conditions are checked where it is built: use_fp8_experts)."""
+    why = FP8_EXPERTS_TORCHAO if _torchao_fp8_grouped_mm() is None else ""
+    if device != "cuda":
+        why = f"{FP8_EXPERTS_GPU}, and this run is on the {device}"
+    for gpu in gpus:
+        if tuple(gpu.get("capability", (9,)))[:1] != (9,):
+            why = f"{FP8_EXPERTS_GPU}, and GPU {gpu['index']} ({gpu['name']}) is not"
+    if why:
+        raise UsageError(f"train.perf.fp8_experts: true {why}; set train.perf.fp8_experts: false")
+
+
 def use_fp8_experts(model: Any, experts: str, device: Any = None) -> None:
     """The routed experts' grouped GEMMs in FP8 (_fp8_grouped_mm), or one line why not: they
     need the sorted experts, torch's FP8 grouped GEMM (CUDA, compute capability 9.0) and
@@ -501,12 +519,12 @@ def use_fp8_experts(model: Any, experts: str, device: Any = None) -> None:
         why = "needs a model with routed experts (this one is all dense)"
     elif experts != "sorted":
         why = "needs the sorted experts (train.perf.experts: auto on a GPU, or sorted)"
-    elif on.type != "cuda" or torch.cuda.get_device_capability(on) < (9, 0):
-        why = "needs torch's FP8 grouped GEMM: a CUDA GPU of compute capability 9.0 (H100, H200)"
+    elif on.type != "cuda" or torch.cuda.get_device_capability(on)[0] != 9:
+        why = FP8_EXPERTS_GPU
     elif any(w % FP8_GROUP_ROWS for w in widths):
         why = f"needs hidden_size and moe_intermediate_size in multiples of 16, not {widths}"
     elif (gmm := _torchao_fp8_grouped_mm()) is None:
-        why = "needs torchao, which is not installed (pip install 'dsflow[fp8]')"
+        why = FP8_EXPERTS_TORCHAO
     if why:
         raise UsageError(f"train.perf.fp8_experts: true {why}; set train.perf.fp8_experts: false")
     global _FP8_GMM

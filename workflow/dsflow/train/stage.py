@@ -131,6 +131,8 @@ def resolve_run(params: dict) -> dict:
     )
     if perf.fp8 != "off" and device == "cuda":
         float8.check_gpus(perf.fp8, machine.gpus())
+    if perf.fp8_experts:
+        fastpaths.check_fp8_experts_machine(device, machine.gpus() if device == "cuda" else [])
     if perf.optimizer == "fused":
         ds_config = dsconfig.for_client_optimizer(ds_config, built, train["ds_config"])
     # Every shard's sha256 is checked here, once, so a corrupted shard is one line naming the
