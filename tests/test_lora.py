@@ -222,31 +222,14 @@ def test_the_linear_adapters_compute_what_peft_computes(family):
     """The dense MLP's and shared experts' adapters take F.linear on W + B A directly instead of
     PEFT's parametrization: the same loss and gradients, to the bit; with the adapters off, the
     base model's; merged, the adapted model's; and a second adapter can still be added."""
-    from peft.tuners.lora.layer import ParamWrapper
 
     adapted = lora.attach(_base(family=family, moe_intermediate_size=16), DEFAULT)
     wrapper = lora._direct_wrapper_class()
     direct = [m for m in adapted.modules() if type(m) is wrapper]
     layers = adapted.get_base_model().config.num_hidden_layers
     assert len(direct) == 3 * layers  # the dense MLPs' and shared experts' three projections
-    for name, p in adapted.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.02)
+    loss_d = _same_as_peft(adapted, direct)
     x = _batch(2)
-    results = []
-    for cls in (None, ParamWrapper):  # dsflow's, then PEFT's own forward
-        for m in direct:
-            m.__class__ = cls or m.__class__
-        adapted.zero_grad()
-        loss = adapted(input_ids=x, labels=x).loss
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in adapted.named_parameters() if p.requires_grad}
-        results.append((loss.detach(), grads))
-    (loss_d, grads_d), (loss_p, grads_p) = results
-    assert torch.equal(loss_d, loss_p)
-    assert all(torch.equal(grads_d[n], g) for n, g in grads_p.items())
-    for m in direct:
-        m.__class__ = wrapper
     base_loss = _base(family=family, moe_intermediate_size=16)(input_ids=x, labels=x).loss
     with torch.no_grad(), adapted.disable_adapter():
         assert torch.equal(adapted(input_ids=x, labels=x).loss, base_loss)
@@ -257,10 +240,76 @@ def test_the_linear_adapters_compute_what_peft_computes(family):
     torch.testing.assert_close(merged, loss_d, rtol=1e-5, atol=1e-6)
 
 
-def test_compiled_layers_under_lora_have_no_graph_break(monkeypatch):
-    """bf16, the default targets: every compiled layer is one graph (PEFT's parametrization
-    broke each layer's graph at every adapted MLP weight and recompiled each layer). Graph
-    breaks are dynamo's: its eager backend shows them without inductor's compile time."""
+def _same_as_peft(adapted, direct) -> torch.Tensor:
+    """One forward and backward with dsflow's `direct` adapters, then with PEFT's own forward
+    (nonzero B, so the adapters count): the same loss and gradients, to the bit. The loss."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    for name, p in adapted.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    x = _batch(2)
+    results = []
+    wrapper = lora._direct_wrapper_class()
+    for cls in (wrapper, ParamWrapper):  # dsflow's, then PEFT's own forward
+        for m in direct:
+            m.__class__ = cls
+        adapted.zero_grad()
+        loss = adapted(input_ids=x, labels=x).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in adapted.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), grads))
+    for m in direct:
+        m.__class__ = wrapper
+    (loss_d, grads_d), (loss_p, grads_p) = results
+    assert torch.equal(loss_d, loss_p)
+    assert grads_p and all(torch.equal(grads_d[n], g) for n, g in grads_p.items())
+    return loss_d
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_routed_experts_adapters_compute_what_peft_computes(dtype):
+    """The routed experts' adapters (one wrapper per fused weight, nested) hand the adapted
+    weights to the sorted experts instead of PEFT's parametrization: the same loss and
+    gradients, to the bit; with HF's experts, or the adapters off, PEFT's own forward."""
+    from dsflow.model import fastpaths
+
+    experts = {**DEFAULT, "targets": ["experts"]}
+    adapted = lora.attach(_base(moe_intermediate_size=16), experts).to(dtype)
+    wrapper = lora._direct_wrapper_class()
+    direct = [m for m in adapted.modules() if type(m) is wrapper]
+    moe_layers = adapted.get_base_model().model.layers[1:]
+    assert len(direct) == len(moe_layers)  # the outer of each fused experts' two wrappers
+    assert all(m.num_experts > 1 and type(m.base_layer).__name__ == "ParamWrapper" for m in direct)
+    calls = []
+    sorted_forward = fastpaths.sorted_experts_forward
+
+    def counted(*args, weights=None, **kwargs):
+        calls.append(sorted(weights or {}))
+        return sorted_forward(*args, weights=weights, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fastpaths, "sorted_experts_forward", counted)
+        with torch.no_grad():
+            adapted(input_ids=_batch(3))  # HF's experts: PEFT's parametrization
+        assert calls == []
+        fastpaths.use_experts(adapted.get_base_model(), "sorted")
+        _same_as_peft(adapted, direct)
+    both = ["down_proj", "gate_up_proj"]
+    assert calls[: len(moe_layers)] == [both] * len(moe_layers)  # dsflow's pass: direct
+    with torch.no_grad(), adapted.disable_adapter():
+        x = _batch(3)
+        base = _base(moe_intermediate_size=16).to(dtype)
+        fastpaths.use_experts(base, "sorted")
+        assert torch.equal(adapted(input_ids=x, labels=x).loss, base(input_ids=x, labels=x).loss)
+
+
+@pytest.mark.parametrize("targets", [DEFAULT["targets"], list(lora.GROUPS)])
+def test_compiled_layers_under_lora_have_no_graph_break(monkeypatch, targets):
+    """bf16, the default targets and all of them (the routed experts too): every compiled layer
+    is one graph (PEFT's parametrization broke each layer's graph at every adapted MLP or experts
+    weight and recompiled each layer). Graph breaks are dynamo's: its eager backend shows them
+    without inductor's compile time."""
     from torch._dynamo.utils import counters
 
     from dsflow.model import fastpaths
@@ -272,7 +321,8 @@ def test_compiled_layers_under_lora_have_no_graph_break(monkeypatch):
     )
     torch._dynamo.reset()
     counters.clear()
-    model = lora.attach(_base(moe_intermediate_size=16), DEFAULT).get_base_model()
+    config = {**DEFAULT, "targets": targets}
+    model = lora.attach(_base(moe_intermediate_size=16), config).get_base_model()
     model = model.to(torch.bfloat16).train()
     balancer = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=0.0)
     fastpaths.apply(

@@ -412,20 +412,29 @@ def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
 
 
 def sorted_experts_forward(
-    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: Any,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """HF experts interface (DeepseekV3Experts, DeepseekV2Experts): the routed experts' output
     per token. Inside a compiled layer only in bf16: traced by torch 2.11's dynamo on an H200
     (any backend, even "eager"), the fp32 experts got zero weight gradients and passed none
     back to the router or the layers below, while the forward was exact; so other dtypes run
-    them eagerly between the layer's graphs (then exact, as in bf16 compiled)."""
+    them eagerly between the layer's graphs (then exact, as in bf16 compiled). `weights`: any of
+    gate_up_proj and down_proj to use instead of the module's (LoRA's adapted weights)."""
     if self.gate_up_proj.dtype != torch.bfloat16:
-        return _sorted_experts_eager(self, hidden_states, top_k_index, top_k_weights)
-    return _sorted_experts(self, hidden_states, top_k_index, top_k_weights)
+        return _sorted_experts_eager(self, hidden_states, top_k_index, top_k_weights, weights)
+    return _sorted_experts(self, hidden_states, top_k_index, top_k_weights, weights)
 
 
 def _sorted_experts(
-    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: Any,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     top_k = top_k_index.shape[-1]
     sorted_experts, order = torch.sort(top_k_index.reshape(-1), stable=True)
@@ -440,8 +449,10 @@ def _sorted_experts(
     # Slot (token, k) -> its row: the inverse of the sort (through the padding, if any).
     inverse = torch.empty_like(order).scatter_(0, order, rows_of)
     rows = _Dispatch.apply(hidden_states, padded, inverse, top_k)
-    up = gmm(rows, self.gate_up_proj.transpose(-2, -1), offsets)
-    down = gmm(self._apply_gate(up), self.down_proj.transpose(-2, -1), offsets)
+    gate_up = (weights or {}).get("gate_up_proj", self.gate_up_proj)
+    down_proj = (weights or {}).get("down_proj", self.down_proj)
+    up = gmm(rows, gate_up.transpose(-2, -1), offsets)
+    down = gmm(self._apply_gate(up), down_proj.transpose(-2, -1), offsets)
     return _Combine.apply(down, top_k_weights, padded, inverse, hidden_states.dtype)
 
 

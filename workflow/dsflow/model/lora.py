@@ -103,20 +103,21 @@ def attach(model: Any, lora: dict) -> Any:
 
 def _direct_linear_adapters(model: Any) -> None:
     """PEFT's parameter adapter on an `nn.Linear` weight (the dense MLPs, the shared experts)
-    adds B A to the weight through `torch.nn.utils.parametrize`, registered and removed at every
-    forward. Each registration makes a new class for the module, so torch.compile recompiles each
-    layer until its recompile limit and runs the rest eagerly. The adapters found here compute
-    the same sum and `F.linear` directly instead: one graph for every layer. They stay PEFT's
-    adapters (a subclass) for saving and merging."""
+    or on the routed experts' fused weights adds B A to the weight through
+    `torch.nn.utils.parametrize`, registered and removed at every forward. Each registration
+    makes a new class for the module, so torch.compile recompiles each layer until its recompile
+    limit and runs the rest eagerly. The adapters found here compute the same sum and use it
+    directly instead (`F.linear`; the sorted experts take the adapted weights as arguments): one
+    graph for every layer. They stay PEFT's adapters (a subclass) for saving and merging."""
     import torch
 
     wrapper = _direct_wrapper_class()
-    for module in model.modules():
-        if (
-            type(module) is wrapper.__base__
-            and module.num_experts == 1
-            and module.parameter_name == "weight"
-            and type(module.base_layer) is torch.nn.Linear
+    wrappers = [m for m in model.modules() if type(m) is wrapper.__base__]
+    inner = {id(m.base_layer) for m in wrappers}  # a fused experts module's second wrapper
+    for module in wrappers:
+        linear = module.num_experts == 1 and module.parameter_name == "weight"
+        if (linear and type(module.base_layer) is torch.nn.Linear) or (
+            module.num_experts > 1 and id(module) not in inner
         ):
             module.__class__ = wrapper
 
@@ -126,21 +127,48 @@ def _direct_wrapper_class() -> type:
     import torch.nn.functional as F
     from peft.tuners.lora.layer import ALLOWED_COMPUTE_DTYPES, ParamWrapper
 
+    from dsflow.model import fastpaths
+
     class DirectLinearWrapper(ParamWrapper):
-        """W + the active adapters' B A (summed first, as PEFT does), then `F.linear` (see
-        _direct_linear_adapters); PEFT's own forward where it does something else (adapters
-        off or merged, mixed batches, a low-precision base weight)."""
+        """W + the active adapters' B A (as PEFT forms it), then `F.linear` or the sorted
+        experts with the adapted weights (see _direct_linear_adapters); PEFT's own forward where
+        it does something else (adapters off or merged, mixed batches, a low-precision base
+        weight, experts other than the sorted ones)."""
 
         def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-            base = self.base_layer
-            active = [a for a in self.active_adapters if a in self.lora_A]
-            plain = not (self.disable_adapters or self.merged or "adapter_names" in kwargs)
-            if not (plain and active and base.weight.dtype in ALLOWED_COMPUTE_DTYPES):
+            chain = [self]  # this wrapper, then those it wraps: one per fused experts weight
+            while isinstance(chain[-1].base_layer, ParamWrapper):
+                chain.append(chain[-1].base_layer)
+            base = chain[-1].base_layer
+            if not all(_plain(w, kwargs) for w in chain):
                 return super().forward(x, *args, **kwargs)
-            delta = self.get_delta_weight(active[0])
-            for name in active[1:]:
-                delta = delta + self.get_delta_weight(name)
-            return F.linear(x, base.weight + delta, base.bias)
+            if self.num_experts == 1:
+                return F.linear(x, _adapted(self), base.bias)
+            if getattr(base.config, "_experts_implementation", None) != fastpaths.SORTED_EXPERTS:
+                return super().forward(x, *args, **kwargs)
+            weights = {w.parameter_name: _adapted(w) for w in chain}
+            return fastpaths.sorted_experts_forward(base, x, *args, **kwargs, weights=weights)
+
+    def _plain(wrapper: ParamWrapper, kwargs: dict) -> bool:
+        active = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+        off = wrapper.disable_adapters or wrapper.merged or "adapter_names" in kwargs
+        return bool(active) and not off and wrapper.get_param().dtype in ALLOWED_COMPUTE_DTYPES
+
+    def _adapted(wrapper: ParamWrapper) -> Any:
+        """The weight with its active adapters, formed as PEFT's parametrization forms it: one
+        adapter on fused experts folds B A into W in one baddbmm, otherwise W + the deltas."""
+        import torch
+
+        param = wrapper.get_param()
+        active = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+        if len(active) == 1 and wrapper.num_experts > 1:
+            lhs, rhs, scaling = wrapper.get_delta_factors(active[0])
+            with torch.autocast(device_type=param.device.type, enabled=False):
+                return torch.baddbmm(param, lhs, rhs, alpha=scaling)
+        delta = wrapper.get_delta_weight(active[0])
+        for name in active[1:]:
+            delta = delta + wrapper.get_delta_weight(name)
+        return param + delta
 
     # PEFT finds its wrappers by class name when another adapter is added (tuners_utils).
     DirectLinearWrapper.__name__ = DirectLinearWrapper.__qualname__ = ParamWrapper.__name__
