@@ -267,21 +267,23 @@ def _same_as_peft(adapted, direct) -> torch.Tensor:
     return loss_d
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_routed_experts_adapters_compute_what_peft_computes(dtype):
+def test_the_routed_experts_adapters_compute_what_peft_computes(dtype, family):
     """The routed experts' adapters (one wrapper per fused weight, nested) hand the adapted
     weights to the sorted experts instead of PEFT's parametrization: the same loss and
-    gradients, to the bit; with HF's experts, or the adapters off, PEFT's own forward."""
+    gradients, to the bit, with one adapter and with two active; with HF's experts, or the
+    adapters off, PEFT's own forward; merged, the adapted model's loss."""
     from dsflow.model import fastpaths
 
     experts = {**DEFAULT, "targets": ["experts"]}
-    adapted = lora.attach(_base(moe_intermediate_size=16), experts).to(dtype)
+    adapted = lora.attach(_base(family=family, moe_intermediate_size=16), experts).to(dtype)
     wrapper = lora._direct_wrapper_class()
     direct = [m for m in adapted.modules() if type(m) is wrapper]
-    moe_layers = adapted.get_base_model().model.layers[1:]
-    assert len(direct) == len(moe_layers)  # the outer of each fused experts' two wrappers
+    moe_layers = len(adapted.get_base_model().model.layers) - 1
+    assert len(direct) == moe_layers  # the outer of each fused experts' two wrappers
     assert all(m.num_experts > 1 and type(m.base_layer).__name__ == "ParamWrapper" for m in direct)
-    calls = []
+    calls = []  # the direct path's calls (HF's dispatcher calls the registered function)
     sorted_forward = fastpaths.sorted_experts_forward
 
     def counted(*args, weights=None, **kwargs):
@@ -293,15 +295,25 @@ def test_the_routed_experts_adapters_compute_what_peft_computes(dtype):
         with torch.no_grad():
             adapted(input_ids=_batch(3))  # HF's experts: PEFT's parametrization
         assert calls == []
-        fastpaths.use_experts(adapted.get_base_model(), "sorted")
-        _same_as_peft(adapted, direct)
+    fastpaths.use_experts(adapted.get_base_model(), "sorted")
     both = ["down_proj", "gate_up_proj"]
-    assert calls[: len(moe_layers)] == [both] * len(moe_layers)  # dsflow's pass: direct
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fastpaths, "sorted_experts_forward", counted)
+        _same_as_peft(adapted, direct)
+        assert calls == [both] * moe_layers  # dsflow's pass direct, PEFT's pass not
+        adapted.add_adapter("second", lora.peft_config(experts))
+        adapted.base_model.set_adapter(["default", "second"])
+        loss = _same_as_peft(adapted, direct)  # W + both deltas, as PEFT sums them
+        assert calls == [both] * (2 * moe_layers)
+    x = _batch(2)
     with torch.no_grad(), adapted.disable_adapter():
-        x = _batch(3)
-        base = _base(moe_intermediate_size=16).to(dtype)
+        base = _base(family=family, moe_intermediate_size=16).to(dtype)
         fastpaths.use_experts(base, "sorted")
         assert torch.equal(adapted(input_ids=x, labels=x).loss, base(input_ids=x, labels=x).loss)
+    with torch.no_grad():
+        merged = adapted.merge_and_unload()(input_ids=x, labels=x).loss
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(merged, loss, **tol)
 
 
 @pytest.mark.parametrize("targets", [DEFAULT["targets"], list(lora.GROUPS)])

@@ -153,12 +153,12 @@ def check_finetune(params: dict, source: str) -> None:
             "stay frozen); set model.pretrained, or train.finetune: full to train every weight"
         )
     for key, value in fp8_on(train.get("perf") or {}):
-        # torchao's float8 linear and grouped GEMM form the weight gradient whether or not
-        # the weight trains: under LoRA that is a frozen base's wasted GEMM per weight.
+        # torchao's float8 linear forms the weight gradient whether or not the weight trains
+        # (under LoRA, a frozen base's wasted GEMM per linear); FP8 experts under LoRA's
+        # adapted expert weights are untested.
         raise UsageError(
             f"{source}: train.perf.{key}: {value} is not supported with train.finetune: lora "
-            "(the frozen base weights' gradients would still be computed); set "
-            f"train.perf.{key}: false"
+            f"(untested with LoRA's frozen base weights); set train.perf.{key}: false"
         )
 
 

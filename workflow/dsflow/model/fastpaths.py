@@ -378,9 +378,10 @@ def _pad_groups(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each expert's rows padded to a multiple of `align` (FP8 grouped GEMMs need 16), at least
     `align` rows (no group is empty: whether the GEMM writes an empty group's weight gradient is
-    not relied on), on the device and of a fixed size (no host sync, one compiled shape): (padded order, where each sorted slot went, padded
-    group ends). The padding rows hold the sentinel slot `order.numel()`; the last group runs to
-    the end, so every row is in a group and is finite."""
+    not relied on), on the device and of a fixed size (no host sync, one compiled shape):
+    (padded order, where each sorted slot went, padded group ends). The padding rows hold the
+    sentinel slot `order.numel()`; the last group runs to the end, so every row is in a group
+    and is finite."""
     n = order.numel()
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
     padded = ((counts + align - 1) // align * align).clamp_min(align)

@@ -97,11 +97,11 @@ def attach(model: Any, lora: dict) -> Any:
 
     check(model, lora)
     adapted = get_peft_model(model, peft_config(lora))
-    _direct_linear_adapters(adapted)
+    _direct_adapters(adapted)
     return adapted
 
 
-def _direct_linear_adapters(model: Any) -> None:
+def _direct_adapters(model: Any) -> None:
     """PEFT's parameter adapter on an `nn.Linear` weight (the dense MLPs, the shared experts)
     or on the routed experts' fused weights adds B A to the weight through
     `torch.nn.utils.parametrize`, registered and removed at every forward. Each registration
@@ -129,11 +129,12 @@ def _direct_wrapper_class() -> type:
 
     from dsflow.model import fastpaths
 
-    class DirectLinearWrapper(ParamWrapper):
+    class DirectWrapper(ParamWrapper):
         """W + the active adapters' B A (as PEFT forms it), then `F.linear` or the sorted
-        experts with the adapted weights (see _direct_linear_adapters); PEFT's own forward where
+        experts with the adapted weights (see _direct_adapters); PEFT's own forward where
         it does something else (adapters off or merged, mixed batches, a low-precision base
-        weight, experts other than the sorted ones)."""
+        weight, experts other than the sorted ones, or a fused experts weight whose wrapper
+        has no active adapter): correct there, but a compiled layer's graph breaks."""
 
         def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
             chain = [self]  # this wrapper, then those it wraps: one per fused experts weight
@@ -171,8 +172,8 @@ def _direct_wrapper_class() -> type:
         return param + delta
 
     # PEFT finds its wrappers by class name when another adapter is added (tuners_utils).
-    DirectLinearWrapper.__name__ = DirectLinearWrapper.__qualname__ = ParamWrapper.__name__
-    return DirectLinearWrapper
+    DirectWrapper.__name__ = DirectWrapper.__qualname__ = ParamWrapper.__name__
+    return DirectWrapper
 
 
 def save_adapter(peft_model: Any, out: str, state_dict: dict | None = None) -> None:
