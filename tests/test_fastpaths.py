@@ -238,9 +238,9 @@ def assert_trains_alike(reference, other, **tol) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_experts_pad_each_experts_rows_to_16_and_change_nothing_else(dtype, monkeypatch):
     """The FP8 experts' grouped GEMMs get every expert's rows padded to a multiple of 16, at
-    least 16 (zero rows; the last group runs to the end), of one size whatever the routing. With the FP8 GEMM
-    replaced by the plain one (FP8 needs an SM90 GPU), loss and gradients are the unpadded
-    sorted experts' (padding rows add exact zeros)."""
+    least 16 (zero rows; the last group runs to the end), of one size whatever the routing.
+    With the FP8 GEMM replaced by the plain one (FP8 needs an SM90 GPU), loss and gradients are
+    the unpadded sorted experts' (padding rows add exact zeros)."""
     plain = tiny(moe_intermediate_size=16).to(dtype)
     fastpaths.use_experts(plain, "sorted")
     padded = copy.deepcopy(plain)

@@ -520,7 +520,7 @@ def check_fp8_experts_machine(device: str, gpus: list[dict]) -> None:
 
 def use_fp8_experts(model: Any, experts: str, device: Any = None) -> None:
     """The routed experts' grouped GEMMs in FP8 (_fp8_grouped_mm), or one line why not: they
-    need the sorted experts, torch's FP8 grouped GEMM (CUDA, compute capability 9.0) and
+    need the sorted experts, torch's FP8 grouped GEMM (CUDA, compute capability 9.x) and
     expert widths that are multiples of 16 (its shape rule)."""
     config = model.config
     on = torch.device(device or next(model.parameters()).device)

@@ -83,7 +83,10 @@ class StepProfiler:
         events = self.prof.key_averages()
         key = "device_time_total" if self.device_type == "cuda" else "cpu_time_total"
         # The phase labels show up as device events too (user annotations): not kernel time.
-        busy = sum(e.self_device_time_total for e in self.prof.events() if _is_device_work(e))
+        kernels = [
+            (e.name, e.self_device_time_total) for e in self.prof.events() if _is_device_work(e)
+        ]
+        busy = sum(us for _, us in kernels)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "w") as f:
             f.write(
@@ -91,9 +94,6 @@ class StepProfiler:
                 f"device kernels {busy / 1e3 / steps:.1f} ms/step\n\n"
             )
             f.write(events.table(sort_by=key, row_limit=40, max_name_column_width=70))
-            kernels = [
-                (e.name, e.self_device_time_total) for e in self.prof.events() if _is_device_work(e)
-            ]
             f.write("\n" + kernel_kinds(kernels, steps) + "\n")
             f.write("\n" + self.idle_by_phase(steps) + "\n")
         self.prof.export_chrome_trace(f"{self.path}.trace.json.gz")  # gzipped by the suffix
