@@ -15,7 +15,13 @@ the figure, and the schedule, set by `--steps`, is the same for every variant. A
 the train split more than once trains on repeats, which can hold val above the target: the bench
 says so first, and a run out of reach reports its closest validation.
 
-    python bench/time_to_quality.py --config dense --variants baseline,dsflow --within 0.10
+The first variant sets how far the others go: to the target if it got there, else to the
+tightest level of MARGINS it reached, so the slower stock path runs only as long as the
+comparison needs (`--max-seconds` caps any variant's training time). The figure is given at
+every level of MARGINS: a table of training seconds and the first variant's speed-up
+(time_to_quality.md) and val bits per byte against training seconds (time_to_quality.png).
+
+    python bench/time_to_quality.py --config dense --variants dsflow,baseline --within 0.10
 
 Needs data/raw, data/shards and data/tokenizer of the builtin corpus in the working directory.
 """
@@ -33,6 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_throughput as tt  # noqa: E402
 
 from dsflow.paths import MANIFEST, shard_index  # noqa: E402
+
+# The levels the figure is given at (margins over the floor), --within's added: a run that
+# stops short of the target still compares at the looser ones.
+MARGINS = (0.5, 0.3, 0.2, 0.15, 0.1)
 
 
 def entropy_floor() -> float:
@@ -75,9 +85,18 @@ def reached(run: dict, target_bpb: float, per_token: float) -> tuple[int, float]
     return None
 
 
+def milestones(run: dict, floor: float, per_token: float, margins) -> dict:
+    """{margin: (step, training seconds)} of the first validation within each margin over the
+    floor that the run reached: the figure at every level, also for a run that stops short of
+    the tightest."""
+    hits = {m: reached(run, (1 + m) * floor, per_token) for m in margins}
+    return {m: hit for m, hit in hits.items() if hit}
+
+
 def run_variant(name: str, args: argparse.Namespace, out: Path, target: float, per: float) -> dict:
     """The stage as train_throughput runs it, validating every --eval-every steps, stopped at
-    the first validation within the target (the later steps would not change the figure)."""
+    the first validation within the target (the later steps would not change the figure) or
+    once its training time passes --max-seconds."""
     overlay = tt.deep_merge(
         tt.variant(name), {"eval_every": args.eval_every, "eval_batches": args.eval_batches}
     )
@@ -90,11 +109,62 @@ def run_variant(name: str, args: argparse.Namespace, out: Path, target: float, p
         }
 
     def there() -> bool:
-        return reached(curves(), target, per) is not None
+        run = curves()
+        over_time = args.max_seconds and sum(run["step_s"].values()) > args.max_seconds
+        return bool(over_time) or reached(run, target, per) is not None
 
     config = tt.CONFIGS[args.config]
     r = tt.run_stage(f"ttq-{name}", config, overlay, args.steps, out, False, until=there)
     return r if r.get("failed") else {**r, **curves()}
+
+
+def stop_level(first: dict, target: float, floor: float, per_token: float, margins) -> float:
+    """Where the later variants stop: the target if the first variant reached it, else the
+    tightest margin it did reach. A later variant then runs only as long as the comparison
+    needs, not to the end of a schedule the first one already showed falls short."""
+    hits = milestones(first, floor, per_token, margins) if not first.get("failed") else {}
+    if not hits or reached(first, target, per_token):
+        return target
+    return (1 + min(hits)) * floor
+
+
+def table(runs: dict, floor: float, per_token: float, margins) -> str:
+    """Markdown: for each margin over the floor, each variant's training seconds to its first
+    validation within it, and the first variant's speed-up over every later one."""
+    names = [n for n, r in runs.items() if not r.get("failed")]
+    head = ["within", "val bits/byte", *(f"{n} s (step)" for n in names)]
+    head += [f"{names[0]} vs {n}" for n in names[1:]]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in sorted(margins, reverse=True):
+        hits = [milestones(runs[n], floor, per_token, [m]).get(m) for n in names]
+        cells = [f"{m:.0%}", f"{(1 + m) * floor:.4f}"]
+        cells += [f"{h[1]:.1f} ({h[0]})" if h else "not reached" for h in hits]
+        cells += [f"{h[1] / hits[0][1]:.2f}x" if h and hits[0] else "" for h in hits[1:]]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def plot(runs: dict, floor: float, target: float, per_token: float, path: Path) -> None:
+    """Val bits per byte against training seconds, one line per variant, with the floor and
+    the target: the time-to-quality figure."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.add_subplot()
+    for name, run in runs.items():
+        if run.get("failed") or not run.get("val_loss"):
+            continue
+        steps = sorted(run["val_loss"])
+        seconds = [sum(s for k, s in run["step_s"].items() if k <= step) for step in steps]
+        bpb = [run["val_loss"][step] / math.log(2) / per_token for step in steps]
+        ax.plot(seconds, bpb, marker=".", label=name)
+    ax.axhline(floor, color="black", linewidth=0.8, label=f"entropy floor {floor:.3f}")
+    ax.axhline(target, color="gray", linestyle="--", linewidth=0.8, label=f"target {target:.3f}")
+    ax.set(xlabel="training seconds", ylabel="val bits per byte", title="Time to quality")
+    ax.set_ylim(floor * 0.97, max(floor * 1.6, target * 1.1))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def parse_args() -> argparse.Namespace:
@@ -105,6 +175,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=1500, help="the longest a variant trains")
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument(
+        "--max-seconds", type=float, default=0, help="stop a variant past this training time"
+    )
     ap.add_argument("--out", default="bench-out")
     return ap.parse_args()
 
@@ -115,6 +188,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     floor, per_token = entropy_floor(), bytes_per_token()
     target = (1 + args.within) * floor
+    margins = sorted({*MARGINS, args.within}, reverse=True)
     print(f"target: val {target:.4f} bits/byte ({floor:.4f} floor + {args.within:.0%})")
     reads = passes(args.steps)
     if reads > 1:
@@ -127,22 +201,38 @@ def main() -> int:
         "floor_bpb": floor, "target_bpb": target, "bytes_per_token": per_token,
         "train_passes": reads, "runs": {},
     }  # fmt: skip
+    level = target
     for name in args.variants.split(","):
-        print(f"running {name} ...", flush=True)
-        r = run_variant(name, args, out, target, per_token)
+        until = "" if level == target else f" (until val {level:.4f}, as the first got)"
+        print(f"running {name} ...{until}", flush=True)
+        r = run_variant(name, args, out, level, per_token)
         hit = None if r.get("failed") else reached(r, target, per_token)
-        results["runs"][name] = {**r, "reached": hit}
+        done = {} if r.get("failed") else milestones(r, floor, per_token, margins)
+        results["runs"][name] = {**r, "reached": hit, "milestones": done}
         (out / "time_to_quality.json").write_text(json.dumps(results, indent=2))
-        if hit:
-            print(f"  {name}: step {hit[0]}, {hit[1]:.1f} s of training, stage {r['wall_s']:.0f} s")
-        elif low := best(r, per_token):
-            print(
-                f"  {name}: not within {args.within:.0%} of the floor in {args.steps} steps; "
-                f"best val {low[1]:.4f} bits/byte ({low[1] / floor - 1:.1%} over) at step {low[0]}"
-            )
-        else:
-            print(f"  {name}: {'the stage failed' if r.get('failed') else 'no validation logged'}")
+        report(name, r, hit, args, floor, per_token)
+        if len(results["runs"]) == 1:
+            level = stop_level(r, target, floor, per_token, margins)
+    runs = results["runs"]
+    summary = table(runs, floor, per_token, margins)
+    (out / "time_to_quality.md").write_text(summary + "\n")
+    plot(runs, floor, target, per_token, out / "time_to_quality.png")
+    print(summary)
     return 0
+
+
+def report(name: str, r: dict, hit, args: argparse.Namespace, floor: float, per: float) -> None:
+    """One line on a finished variant: where it reached the target, or its closest validation."""
+    if hit:
+        print(f"  {name}: step {hit[0]}, {hit[1]:.1f} s of training, stage {r['wall_s']:.0f} s")
+    elif low := best(r, per):
+        last = max(r["step_s"], default=0)
+        print(
+            f"  {name}: not within {args.within:.0%} of the floor by step {last}; best val "
+            f"{low[1]:.4f} bits/byte ({low[1] / floor - 1:.1%} over) at step {low[0]}"
+        )
+    else:
+        print(f"  {name}: {'the stage failed' if r.get('failed') else 'no validation logged'}")
 
 
 if __name__ == "__main__":

@@ -302,7 +302,7 @@ def test_time_to_quality_is_the_training_time_of_the_first_validation_at_the_tar
     monkeypatch.setattr(sys, "argv", [*argv[:4], "0.001", *argv[5:], "--steps", "1"])
     assert ttq.main() == 0
     out = capsys.readouterr().out
-    assert "dsflow: not within 0% of the floor in 1 steps; best val" in out
+    assert "dsflow: not within 0% of the floor by step 30; best val" in out
     assert "(1.0% over) at step 30" in out and "times;" not in out
 
 
@@ -432,6 +432,62 @@ def test_time_to_quality_stops_a_run_at_its_first_validation_within_the_target(
     r = ttq.run_variant("dsflow", args, tmp_path / "out", 1.10 * floor, per_token)
     assert seen == [False, True]
     assert r["stopped"] and set(r["val_loss"]) == {25, 50} and r["step_s"] == {1: 2.0, 2: 0.5}
+
+
+def test_time_to_quality_compares_the_variants_at_every_level_the_first_one_reached(
+    prepared, tmp_path, monkeypatch, capsys
+):
+    """The first variant stops short of the target: the later ones run to the tightest level it
+    reached, and the figure (table and plot) gives each level's training seconds and speed-up;
+    --max-seconds stops a run whose training time passed it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import time_to_quality as ttq
+
+    monkeypatch.chdir(prepared)
+    floor, per_token = ttq.entropy_floor(), ttq.bytes_per_token()
+    nats = lambda bpb: bpb * math.log(2) * per_token  # noqa: E731 - val loss at this bpb
+
+    def made_up(over: list[float], step_s: float) -> dict:
+        val = {10 * (i + 1): nats((1 + o) * floor) for i, o in enumerate(over)}
+        return {"val_loss": val, "step_s": dict.fromkeys(range(1, 10 * len(over) + 1), step_s)}
+
+    fast = made_up([0.45, 0.25, 0.12], 0.5)  # 50% at step 10, 30% at 20, 15% at 30, not 10%
+    slow = made_up([0.45, 0.4, 0.25, 0.14], 1.5)  # 30% at step 30, 15% at step 40
+    assert ttq.stop_level(fast, 1.1 * floor, floor, per_token, ttq.MARGINS) == 1.15 * floor
+    levels, real_run_variant = [], ttq.run_variant
+
+    def run_variant(name, args, out, target, per):
+        levels.append(target)
+        return {**(fast if name == "dsflow" else slow), "wall_s": 1.0}
+
+    monkeypatch.setattr(ttq, "run_variant", run_variant)
+    out_dir = tmp_path / "out"
+    argv = ["x", "--variants", "dsflow,baseline", "--steps", "1", "--out", str(out_dir)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert ttq.main() == 0
+    assert levels == [pytest.approx(1.1 * floor), pytest.approx(1.15 * floor)]
+    summary = (out_dir / "time_to_quality.md").read_text()
+    assert "| 30% | " in summary and "| 10.0 (20) | 45.0 (30) | 4.50x |" in summary
+    assert "| 15% | " in summary and "| 15.0 (30) | 60.0 (40) | 4.00x |" in summary
+    assert "| 10% | " in summary and "| not reached | not reached |  |" in summary
+    assert "| 50% | " in summary and summary.count("(10) |") == 2  # both at their first val
+    assert (out_dir / "time_to_quality.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((out_dir / "time_to_quality.json").read_text())
+    assert saved["runs"]["baseline"]["milestones"]["0.15"] == [40, 60.0]
+    assert "baseline ... (until val" in capsys.readouterr().out
+
+    # --max-seconds: past it the run is stopped although val is far from the target
+    monkeypatch.chdir(tmp_path)
+    live = tmp_path / "dvclive/plots/metrics"
+    (live / "perf").mkdir(parents=True)
+    (live / "perf/step_s.tsv").write_text("step\tstep_s\n1\t2.0\n2\t0.5\n")
+    asked = []
+    stage = lambda name, config, variant, steps, out, profile, until: asked.append(until()) or {}  # noqa: E731
+    monkeypatch.setattr(ttq.tt, "run_stage", stage)
+    for cap in (0, 3.0, 2.0):
+        monkeypatch.setattr(sys, "argv", ["x", "--max-seconds", str(cap)])
+        real_run_variant("dsflow", ttq.parse_args(), tmp_path, 1.1 * floor, per_token)
+    assert asked == [False, False, True]
 
 
 def test_the_batch_shape_is_a_bench_argument(bench, monkeypatch, tmp_path, capsys):
