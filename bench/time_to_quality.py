@@ -20,6 +20,7 @@ tightest level of MARGINS it reached, so the slower stock path runs only as long
 comparison needs (`--max-seconds` caps any variant's training time). The figure is given at
 every level of MARGINS: a table of training seconds and the first variant's speed-up
 (time_to_quality.md) and val bits per byte against training seconds (time_to_quality.png).
+time_to_quality.json holds every run's curves, a running one's as of its last validation.
 
     python bench/time_to_quality.py --config dense --variants dsflow,baseline --within 0.10
 
@@ -29,6 +30,7 @@ Needs data/raw, data/shards and data/tokenizer of the builtin corpus in the work
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -93,10 +95,13 @@ def milestones(run: dict, floor: float, per_token: float, margins) -> dict:
     return {m: hit for m, hit in hits.items() if hit}
 
 
-def run_variant(name: str, args: argparse.Namespace, out: Path, target: float, per: float) -> dict:
+def run_variant(
+    name: str, args: argparse.Namespace, out: Path, target: float, per: float, progress=None
+) -> dict:
     """The stage as train_throughput runs it, validating every --eval-every steps, stopped at
     the first validation within the target (the later steps would not change the figure) or
-    once its training time passes --max-seconds."""
+    once its training time passes --max-seconds. `progress(curves)` is called at each new
+    validation, so a bench stopped from outside keeps the curves so far."""
     overlay = tt.deep_merge(
         tt.variant(name), {"eval_every": args.eval_every, "eval_batches": args.eval_batches}
     )
@@ -108,8 +113,13 @@ def run_variant(name: str, args: argparse.Namespace, out: Path, target: float, p
             "step_s": tt.tsv(live / "perf/step_s.tsv", "step_s"),
         }
 
+    seen = [0]
+
     def there() -> bool:
         run = curves()
+        if progress and len(run["val_loss"]) > seen[0]:
+            seen[0] = len(run["val_loss"])
+            progress(run)
         over_time = args.max_seconds and sum(run["step_s"].values()) > args.max_seconds
         return bool(over_time) or reached(run, target, per) is not None
 
@@ -205,7 +215,8 @@ def main() -> int:
     for name in args.variants.split(","):
         until = "" if level == target else f" (until val {level:.4f}, as the first got)"
         print(f"running {name} ...{until}", flush=True)
-        r = run_variant(name, args, out, level, per_token)
+        save = functools.partial(keep_partial, results, name, out / "time_to_quality.json")
+        r = run_variant(name, args, out, level, per_token, progress=save)
         hit = None if r.get("failed") else reached(r, target, per_token)
         done = {} if r.get("failed") else milestones(r, floor, per_token, margins)
         results["runs"][name] = {**r, "reached": hit, "milestones": done}
@@ -219,6 +230,12 @@ def main() -> int:
     plot(runs, floor, target, per_token, out / "time_to_quality.png")
     print(summary)
     return 0
+
+
+def keep_partial(results: dict, name: str, path: Path, run: dict) -> None:
+    """Write a running variant's curves so far into the results (marked "running")."""
+    results["runs"][name] = {"name": name, "running": True, **run}
+    path.write_text(json.dumps(results, indent=2))
 
 
 def report(name: str, r: dict, hit, args: argparse.Namespace, floor: float, per: float) -> None:

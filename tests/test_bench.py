@@ -286,7 +286,7 @@ def test_time_to_quality_is_the_training_time_of_the_first_validation_at_the_tar
     }
     assert ttq.reached(run, 1.10 * floor, per_token) == (20, 10.0)
     assert ttq.reached(run, 1.001 * floor, per_token) is None
-    monkeypatch.setattr(ttq, "run_variant", lambda name, args, out, target, per: run)
+    monkeypatch.setattr(ttq, "run_variant", lambda name, args, out, target, per, progress: run)
     argv = ["x", "--variants", "dsflow", "--within", "0.1", "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
     assert ttq.main() == 0
@@ -403,7 +403,8 @@ def test_time_to_quality_stops_a_run_at_its_first_validation_within_the_target(
     prepared, tmp_path, monkeypatch
 ):
     """run_variant's stop condition reads the stage's live val loss: false before a
-    validation within the target is logged, true after; the curves come back with the run."""
+    validation within the target is logged, true after; the curves come back with the run, and
+    go to the progress callback at each new validation."""
     sys.path.insert(0, str(ROOT / "bench"))
     import time_to_quality as ttq
 
@@ -429,8 +430,10 @@ def test_time_to_quality_stops_a_run_at_its_first_validation_within_the_target(
     monkeypatch.setattr(ttq.tt, "run_stage", run_stage)
     monkeypatch.setattr(sys, "argv", ["x"])
     args = ttq.parse_args()
-    r = ttq.run_variant("dsflow", args, tmp_path / "out", 1.10 * floor, per_token)
+    shown = []
+    r = ttq.run_variant("dsflow", args, tmp_path / "out", 1.10 * floor, per_token, shown.append)
     assert seen == [False, True]
+    assert [sorted(c["val_loss"]) for c in shown] == [[25], [25, 50]]  # at each new validation
     assert r["stopped"] and set(r["val_loss"]) == {25, 50} and r["step_s"] == {1: 2.0, 2: 0.5}
 
 
@@ -456,8 +459,12 @@ def test_time_to_quality_compares_the_variants_at_every_level_the_first_one_reac
     assert ttq.stop_level(fast, 1.1 * floor, floor, per_token, ttq.MARGINS) == 1.15 * floor
     levels, real_run_variant = [], ttq.run_variant
 
-    def run_variant(name, args, out, target, per):
+    def run_variant(name, args, out, target, per, progress):
         levels.append(target)
+        if name == "baseline":  # a variant's curves are kept as it runs
+            progress({"val_loss": {10: 1.0}, "step_s": {1: 1.0}})
+            saved = json.loads((out_dir / "time_to_quality.json").read_text())
+            assert saved["runs"]["baseline"]["running"] and "dsflow" in saved["runs"]
         return {**(fast if name == "dsflow" else slow), "wall_s": 1.0}
 
     monkeypatch.setattr(ttq, "run_variant", run_variant)
