@@ -46,6 +46,7 @@ the measured peaks.)
   backward and holds one chunk of fp32 logits at a time.
 - Compiled layers (``train.perf.compile``, on by default on CUDA, never at ZeRO-3) save
   :data:`COMPILED_LAYERS` of the above: Inductor recomputes cheap pointwise results in backward.
+  With ``train.perf.fp8`` they also drop the inputs of float8 linears (:func:`fp8_unsaved`).
 - With activation checkpointing (HF ``gradient_checkpointing_enable``, per decoder layer) only
   each layer's input stays (``a x hidden`` per token per layer); backward recomputes one layer at
   a time.
@@ -64,7 +65,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from dsflow.model import presets
+from dsflow.model import float8, presets
 from dsflow.model.flops import flops_per_token
 
 GB = 10**9
@@ -159,6 +160,7 @@ class Setup:
     frozen_experts: bool = False
     ce_chunk: int = 0  # train.perf.ce_chunk as resolved: 0 = the full fp32 logits
     compiled: bool = False  # train.perf.compile as resolved; no layout compiles at ZeRO-3
+    fp8: str = "off"  # train.perf.fp8's recipe ("off": bf16 linears)
     # The setting that makes the train stage refuse ZeRO-3 (train.perf.compile: true, or
     # train.perf.fp8 or fp8_experts on), so that no plan offers it; "" = none.
     no_zero3: str = ""
@@ -294,6 +296,33 @@ def _mlps_per_token(
     return dense_mlp, post_norm + router + routed + shared
 
 
+def fp8_unsaved(d: dict[str, int], recipe: str) -> tuple[int, int]:
+    """(dense layer, MoE layer) elements per token that compiled layers no longer keep with
+    train.perf.fp8 (`recipe`): the input of a linear that turned float8 (float8.worthwhile) is
+    not saved for its weight gradient when every consumer of that input is such a linear: the
+    compiled backward recomputes it (the norm, the cast) from what it keeps anyway. Measured on
+    CPU with saved_tensors_hooks (tests/test_plan.py): exactly these inputs leave, at hidden
+    1024, 2048 and 4096, tensorwise and rowwise. Without compile autograd keeps the same
+    tensors as in bf16."""
+    if recipe not in float8.RECIPES:
+        return 0, 0
+    H, heads, v = d["H"], d["heads"], d["v"]
+
+    def gone(width: int, consumers: list[tuple[int, int]]) -> int:  # (out, in) of each
+        return width if all(float8.worthwhile(o, i, recipe) for o, i in consumers) else 0
+
+    q = [(d["q_lora"], H)] if d["q_lora"] else [(heads * d["qk"], H)]
+    attention = gone(H, [*q, (d["kv_lora"] + d["rope"], H)])
+    if d["q_lora"]:
+        attention += gone(d["q_lora"], [(heads * d["qk"], d["q_lora"])])
+    attention += gone(d["kv_lora"], [(heads * (d["nope"] + v), d["kv_lora"])])
+    attention += gone(heads * v, [(H, heads * v)])
+    dense = gone(H, [(d["inter"], H)] * 2) + gone(d["inter"], [(H, d["inter"])])
+    shared = d["mi"] * d["shared"]  # the MoE layer's input also feeds the router and experts
+    moe = gone(shared, [(H, shared)]) if shared else 0
+    return attention + dense, attention + moe
+
+
 def activation_bytes(
     config: Any,
     *,
@@ -305,6 +334,7 @@ def activation_bytes(
     compiled: bool = False,
     frozen_experts: bool = False,
     frozen_base: bool = False,
+    fp8: str = "off",
 ) -> dict[str, Any]:
     """Activation memory of one micro batch, without and with activation checkpointing.
     ``ce_chunk`` > 0: the fused lm_head + cross-entropy (dsflow.model.loss) over chunks of that
@@ -313,6 +343,7 @@ def activation_bytes(
     experts' weights do not train (LoRA without the `experts` target); ``frozen_base``: LoRA,
     where the lm_head and the routers never train, so the fused loss makes and keeps no
     gradient for the lm_head, no router keeps its fp32 input and no norm its 16-bit output.
+    ``fp8``: train.perf.fp8's recipe; compiled layers then keep less (:func:`fp8_unsaved`).
 
     ``saved_*`` is what autograd keeps between forward and backward (what
     ``torch.autograd.graph.saved_tensors_hooks`` sees, parameters excluded); ``peak_*`` adds the
@@ -331,8 +362,9 @@ def activation_bytes(
     rope_per_layer = a * d["rope"] * seq_len  # cos/sin in the activation dtype, per position
     router_weight = 4 * E * H if a < 4 else 0  # fp32 copy of the router weight, per MoE layer
     share = COMPILED_LAYERS if compiled else 1.0
-    layer_dense = int(share * per_tok_dense * T) + rope_per_layer
-    layer_moe = int(share * per_tok_moe * T) + rope_per_layer + router_weight
+    unsaved_dense, unsaved_moe = fp8_unsaved(d, fp8) if compiled else (0, 0)
+    layer_dense = int(share * per_tok_dense * T) - a * unsaved_dense * T + rope_per_layer
+    layer_moe = int(share * per_tok_moe * T) - a * unsaved_moe * T + rope_per_layer + router_weight
     layers = d["n_dense"] * layer_dense + d["n_moe"] * layer_moe
     embed = 24 * T + 8 * d["rope"] * seq_len  # ids, targets, embedding indices; fp32 cos/sin
     head = (_norm(H, norm_a) + a * H) * T  # final norm + lm_head input
@@ -515,6 +547,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "frozen_experts": setup.frozen_experts,
         "ce_chunk": setup.ce_chunk,
         "compiled": setup.compiles,
+        "fp8": setup.fp8,
     }
 
 
@@ -555,6 +588,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         compiled=setup.compiles,
         frozen_experts=setup.frozen_experts,
         frozen_base=setup.lora_adapter > 0,
+        fp8=setup.fp8,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
     acts.update(_lora_activations(setup, acts["tokens"]))

@@ -354,8 +354,9 @@ def _resources(
 
 def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
     """The memory setup's fast paths as the train stage resolves train.perf
-    (dsflow.model.fastpaths): the fused loss (`auto`: on CUDA, never with fp16) and compiled
-    layers (`auto`: on CUDA; never at ZeRO-3, which :func:`memory.estimate` applies per layout)."""
+    (dsflow.model.fastpaths): the fused loss (`auto`: on CUDA, never with fp16), compiled
+    layers (`auto`: on CUDA; never at ZeRO-3, which :func:`memory.estimate` applies per layout)
+    and the FP8 linears' recipe."""
     from dsflow.model import fastpaths
 
     asked = train.get("perf") or {}
@@ -368,7 +369,11 @@ def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
     no_zero3 = f"train.perf.{fp8[0][0]}: {fp8[0][1]}" if fp8 else ""
     if perf.get("compile") is True:
         no_zero3 = "train.perf.compile: true"
-    return {"ce_chunk": chosen.ce_chunk, "compiled": chosen.compile, "no_zero3": no_zero3}
+    recipe = asked.get("fp8") or "off"
+    return {
+        "ce_chunk": chosen.ce_chunk, "compiled": chosen.compile, "fp8": recipe,
+        "no_zero3": no_zero3,
+    }  # fmt: skip
 
 
 def _balance_loss(balance: dict, config: Any) -> bool:
