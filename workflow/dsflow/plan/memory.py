@@ -44,8 +44,8 @@ the measured peaks.)
   lm_head + cross-entropy (``train.perf.ce_chunk``, on by default on CUDA) no logits are kept:
   its forward keeps the gradients of the hidden states and of the lm_head weight (fp32) for
   backward and holds one chunk of fp32 logits at a time.
-- Compiled layers (``train.perf.compile``, on by default on CUDA, never at ZeRO-3) save
-  :data:`COMPILED_LAYERS` of the above: Inductor recomputes cheap pointwise results in backward.
+- Compiled layers (``train.perf.compile``, on by default on CUDA, never at ZeRO-3) save less
+  (:func:`compiled_unsaved`): Inductor recomputes cheap pointwise results in backward.
   With ``train.perf.fp8`` they also drop the inputs of float8 linears (:func:`fp8_unsaved`).
 - With activation checkpointing (HF ``gradient_checkpointing_enable``, per decoder layer) only
   each layer's input stays (``a x hidden`` per token per layer); backward recomputes one layer at
@@ -92,16 +92,6 @@ class Overhead:
 # - host_per_rank_bytes, 2 GB: resident size of one rank's Python + torch + transformers +
 #   DeepSpeed process (CUDA libraries mapped), before any model tensor.
 FRAMEWORK_OVERHEAD = Overhead(gpu_fixed_bytes=2**30, gpu_fraction=0.08, host_per_rank_bytes=2 * GB)
-
-# Compiled decoder layers (train.perf.compile) save this share of what the eager layers do:
-# Inductor's partitioner recomputes cheap pointwise results (norms, SiLU, the gated product,
-# routing weights) in backward instead of saving them. Measured with saved_tensors_hooks on CPU
-# (`medium` widths, 3 layers, every fast path; bf16, seq 64 x micro 2): 29.64 MB saved against
-# 36.31 MB eager; the plan puts 30.6 MB of the eager count in the layers (the rest: embedding,
-# head, fused loss), so the layers keep 0.78. tests/test_plan.py holds the whole count within
-# 5%. On an H200 the compiled layers kept 0.70 to 0.73 (docs/performance.md): the plan errs
-# high there.
-COMPILED_LAYERS = 0.78
 
 # DeepSpeed 0.19 defaults that dsflow's generated config does not set.
 DS_ALLREDUCE_BUCKET = 500_000_000  # ZeRO-0 gradient all-reduce bucket (allreduce_bucket_size)
@@ -296,6 +286,27 @@ def _mlps_per_token(
     return dense_mlp, post_norm + router + routed + shared
 
 
+def compiled_unsaved(d: dict[str, int], a: int, frozen_base: bool) -> tuple[int, int, int]:
+    """(dense layer, MoE layer, final norm) bytes per token that compiled layers do not keep of
+    what eager ones do: Inductor's partitioner recomputes cheap results in backward instead of
+    saving them. Gone are every RMSNorm's fp32 input copy, one expert-width tensor of each MLP
+    (the dense MLP's, each routed pair's, the shared experts'), the kv_a norm's 16-bit output
+    (kv_a's output, rope included, is kept instead) and, per MoE layer, the router's fp32 top-k
+    weights, group mask and two index tensors. LoRA (`frozen_base`) keeps the routed pairs'
+    tensors, the final norm's fp32 copy and one more hidden-wide 16-bit tensor per layer and at
+    the head. Read off saved_tensors_hooks on CPU (every fast path; hidden 1024 and 2048, both
+    families, LoRA with and without the experts) and held against autograd's count there
+    (tests/test_plan.py)."""
+    H, kv, rope = d["H"], d["kv_lora"], d["rope"]
+    norm_a, kept = (0, a * H) if frozen_base else (a, 0)
+    norms = 4 * (2 * H + d["q_lora"] + kv)  # input and post-attention norms, q_a and kv_a
+    attention = norms + norm_a * kv - a * (kv + rope) - kept
+    routed = 0 if frozen_base else d["K"] * a * d["mi"]
+    router = d["E"] + 4 * d["K"] + 24  # bool group mask, fp32 top-k weights, two int64 indices
+    moe = attention + routed + a * d["mi"] * d["shared"] + router
+    return attention + a * d["inter"], moe, -a * H if frozen_base else 4 * H
+
+
 def fp8_unsaved(d: dict[str, int], recipe: str) -> tuple[int, int]:
     """(dense layer, MoE layer) elements per token that compiled layers no longer keep with
     train.perf.fp8 (`recipe`): the input of a linear that turned float8 (float8.worthwhile) is
@@ -338,8 +349,8 @@ def activation_bytes(
 ) -> dict[str, Any]:
     """Activation memory of one micro batch, without and with activation checkpointing.
     ``ce_chunk`` > 0: the fused lm_head + cross-entropy (dsflow.model.loss) over chunks of that
-    many tokens instead of the full fp32 logits. ``compiled``: the decoder layers compiled
-    (:data:`COMPILED_LAYERS` of the eager layers' activations). ``frozen_experts``: the routed
+    many tokens instead of the full fp32 logits. ``compiled``: the decoder layers and the final
+    norm compiled (:func:`compiled_unsaved`). ``frozen_experts``: the routed
     experts' weights do not train (LoRA without the `experts` target); ``frozen_base``: LoRA,
     where the lm_head and the routers never train, so the fused loss makes and keeps no
     gradient for the lm_head, no router keeps its fp32 input and no norm its 16-bit output.
@@ -361,10 +372,11 @@ def activation_bytes(
     per_tok_moe = _norm(H, norm_a) + attention + moe_mlp
     rope_per_layer = a * d["rope"] * seq_len  # cos/sin in the activation dtype, per position
     router_weight = 4 * E * H if a < 4 else 0  # fp32 copy of the router weight, per MoE layer
-    share = COMPILED_LAYERS if compiled else 1.0
-    unsaved_dense, unsaved_moe = fp8_unsaved(d, fp8) if compiled else (0, 0)
-    layer_dense = int(share * per_tok_dense * T) - a * unsaved_dense * T + rope_per_layer
-    layer_moe = int(share * per_tok_moe * T) - a * unsaved_moe * T + rope_per_layer + router_weight
+    gone_dense, gone_moe, gone_norm = compiled_unsaved(d, a, frozen_base) if compiled else (0, 0, 0)
+    fp8_dense, fp8_moe = fp8_unsaved(d, fp8) if compiled else (0, 0)
+    gone_dense, gone_moe = gone_dense + a * fp8_dense, gone_moe + a * fp8_moe
+    layer_dense = (per_tok_dense - gone_dense) * T + rope_per_layer
+    layer_moe = (per_tok_moe - gone_moe) * T + rope_per_layer + router_weight
     layers = d["n_dense"] * layer_dense + d["n_moe"] * layer_moe
     embed = 24 * T + 8 * d["rope"] * seq_len  # ids, targets, embedding indices; fp32 cos/sin
     head = (_norm(H, norm_a) + a * H) * T  # final norm + lm_head input
@@ -372,6 +384,7 @@ def activation_bytes(
     logits_peak = 12 * V * T  # backward: saved output + grad in + grad out, all fp32
     if ce_chunk:
         head, logits_saved, logits_peak = _fused_head(d, a, T, min(ce_chunk, T), frozen_base)
+    head -= gone_norm * T
     # grouped_mm: routing-weighted expert outputs are fp32 (bf16 x fp32 scores) and are
     # un-permuted into a second fp32 copy: transient, one layer at a time (backward: their grads).
     moe_transient = (8 * H * K * T) if d["n_moe"] else 0
