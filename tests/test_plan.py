@@ -7,6 +7,7 @@ import argparse
 import copy
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,62 +173,42 @@ def test_saved_activations_with_the_fused_loss_match_autograd(precision):
     assert predicted["peak_no_checkpointing"] != full["peak_no_checkpointing"]
 
 
-def _saved_with_fast_paths(
-    config, compiled: bool, adapters: dict | None = None, fp8: str = "off", device: str = "cpu"
-) -> int:
-    """What autograd saves (parameters excluded) with the train stage's CUDA fast paths on CPU:
-    sorted experts, padded flash attention, the fused loss, router hooks traced; `compiled`:
-    every decoder layer through torch.compile; `adapters`: train.lora's setting, the base frozen
-    (all in bf16, as the fused optimizer holds them); `fp8`: train.perf.fp8's recipe (torchao's
-    CPU emulation); `device`: where it runs. Counted on the second call (cached graphs)."""
-    from dsflow.model import fastpaths
-    from dsflow.model.build import build_model
+def _saved_with_fast_paths(config, compiled: bool, **how) -> int:
+    """What autograd saves (parameters excluded) with the train stage's CUDA fast paths on
+    2 x 64 tokens (bench/saved_activations.py: `how` = adapters, fp8, device, dtype)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from saved_activations import saved_tensors
 
-    torch.manual_seed(0)
-    torch._dynamo.reset()
-    model = build_model(copy.deepcopy(config), device_type="cpu")
-    if adapters:
-        model.requires_grad_(False)
-        lora.attach(model, adapters)
-    model = model.to(device, torch.bfloat16).train()
-    balancer = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=1e-4)
-    perf = fastpaths.Perf(compiled, "flash_padded", 37, False, experts="sorted", fp8=fp8)
-    fastpaths.apply(model, perf, balancer)
-    trainee = TrainingLM(model, ce_chunk=37)
-    saved, pack = _saved_counter(model)
-    ids = torch.randint(0, config.vocab_size, (2, 65)).to(device)
-    for _ in range(2):
-        saved.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = trainee(ids[:, :-1], ids[:, 1:]) + balancer.aux_loss()
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-    return sum(saved.values())
+    return sum(b for b, _ in saved_tensors(config, compiled, seq=64, **how).values())
 
 
 @pytest.mark.parametrize(
-    "preset, overrides",
+    "preset, overrides, precision",
     [
-        ("medium", {"num_hidden_layers": 3, "v_head_dim": 96}),  # q_lora, dense + 2 MoE layers
-        ("medium", {"hidden_size": 2048, "num_hidden_layers": 2, "n_routed_experts": 8}),
-        ("deepseek-v2-lite", {"q_lora_rank": None, "v_head_dim": 48}),  # V2, tiny widths
+        ("medium", {"num_hidden_layers": 3}, "bf16"),  # q_lora, a dense and two MoE layers
+        ("medium", {"hidden_size": 2048, "num_hidden_layers": 2, "n_routed_experts": 8}, "bf16"),
+        ("deepseek-v2-lite", {"q_lora_rank": None, "v_head_dim": 48}, "bf16"),  # V2, tiny
+        ("medium", {"num_hidden_layers": 3}, "fp32"),  # the experts run between the graphs
     ],
-    ids=["medium", "hidden-2048", "v2"],
+    ids=["medium", "hidden-2048", "v2", "medium-fp32"],
 )
-def test_compiled_layers_save_what_the_plan_says(preset, overrides):
+def test_compiled_layers_save_what_the_plan_says(preset, overrides, precision):
     """Setup.compiled: Inductor recomputes cheap results in backward (memory.compiled_unsaved:
     the norms' fp32 copies, an expert-width tensor per MLP, ...); the plan's count is within 1%
-    of autograd's, eager and compiled, at two widths and in both families."""
+    of autograd's, eager and compiled, at two widths, in both families, and in fp32, where the
+    sorted experts run eagerly between the compiled graphs and keep all of theirs."""
     from conftest import tiny_v2
 
     if preset == "deepseek-v2-lite":
         overrides = tiny_v2(**overrides)
     config = model_config(preset, 1000, {"v_head_dim": 96, **overrides})
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     for compiled in (False, True):
-        measured = _saved_with_fast_paths(config, compiled)
+        measured = _saved_with_fast_paths(config, compiled, dtype=dtype)
         predicted = memory.activation_bytes(
-            config, seq_len=64, micro_batch=2, precision="bf16", ce_chunk=37, compiled=compiled
-        )
+            config, seq_len=64, micro_batch=2, precision=precision, ce_chunk=37,
+            compiled=compiled, experts_in_graph=precision == "bf16",
+        )  # fmt: skip
         assert predicted["saved_no_checkpointing"] == pytest.approx(measured, rel=0.01), compiled
 
 
@@ -235,39 +216,48 @@ def test_compiled_layers_save_what_the_plan_says(preset, overrides):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("layers", ["dense", "moe"])
 def test_cuda_compiled_layers_save_what_the_plan_says(layers):
-    """The same count on a GPU, where Inductor's CUDA kernels may recompute other results than
-    its CPU ones: all-dense and all-MoE `medium` layers, eager and compiled, within 2%."""
+    """The same count on a GPU, all-dense and all-MoE `medium` layers: within 2% eager, and
+    compiled for the dense layers; compiled MoE layers may keep less on a GPU than on CPU
+    (Inductor's CUDA kernels recompute other results), so there the plan is not below the
+    GPU's count and at most 20% above it."""
     dense = 2 if layers == "dense" else 0
     overrides = {"num_hidden_layers": 2, "first_k_dense_replace": dense, "v_head_dim": 96}
     config = model_config("medium", 1000, overrides)
     for compiled in (False, True):
         measured = _saved_with_fast_paths(config, compiled, device="cuda")
         predicted = memory.activation_bytes(
-            config, seq_len=64, micro_batch=2, precision="bf16", ce_chunk=37, compiled=compiled
-        )
-        assert predicted["saved_no_checkpointing"] == pytest.approx(measured, rel=0.02), compiled
+            config, seq_len=64, micro_batch=2, precision="bf16", ce_chunk=37,
+            compiled=compiled, experts_in_graph=True,
+        )["saved_no_checkpointing"]  # fmt: skip
+        if compiled and layers == "moe":
+            assert measured <= predicted <= 1.2 * measured
+        else:
+            assert predicted == pytest.approx(measured, rel=0.02), compiled
 
 
 def test_compiled_fp8_layers_save_what_the_plan_says():
     """train.perf.fp8 with compiled layers: the input of a float8 linear whose every consumer is
     one is not kept (the backward recomputes it), so the plan counts that much less than for
     bf16; the difference matches autograd's within 2% (hidden 2048: q_b, kv_b, o_proj, the
-    dense MLP and the shared experts' down projection turn float8, q_a and kv_a do not)."""
+    dense MLP and the shared experts' down projection turn float8, q_a and kv_a do not).
+    Eager layers keep the same in FP8 as in bf16, in autograd's count and in the plan's."""
     pytest.importorskip("torchao.float8")
     overrides = {"hidden_size": 2048, "num_hidden_layers": 2, "v_head_dim": 96}
     config = model_config("medium", 1000, {**overrides, "n_routed_experts": 8})
-    args = {"seq_len": 64, "micro_batch": 2, "precision": "bf16", "ce_chunk": 37, "compiled": True}
-    bf16, fp8 = (memory.activation_bytes(config, **args, fp8=r) for r in ("off", "tensorwise"))
-    unsaved = memory.fp8_unsaved(memory.presets._dims(config), "tensorwise")
-    assert unsaved == (384 + 256 + 1536 + 2048 + 2816, 384 + 256 + 1536 + 640)
-    predicted = bf16["saved_no_checkpointing"] - fp8["saved_no_checkpointing"]
-    measured = _saved_with_fast_paths(config, True) - _saved_with_fast_paths(
-        config, True, fp8="tensorwise"
-    )
-    assert predicted == 2 * 128 * sum(unsaved)
-    assert measured == pytest.approx(predicted, rel=0.02)
-    eager = memory.activation_bytes(config, **{**args, "compiled": False}, fp8="tensorwise")
-    assert eager == memory.activation_bytes(config, **{**args, "compiled": False})
+    args = {"seq_len": 64, "micro_batch": 2, "precision": "bf16", "ce_chunk": 37}
+    unsaved = memory.fp8_unsaved(memory.presets._dims(config), 2, "tensorwise")
+    assert unsaved == (2 * (384 + 256 + 1536 + 2048 + 2816), 2 * (384 + 256 + 1536 + 640))
+    for compiled in (True, False):
+        bf16, fp8 = (
+            memory.activation_bytes(config, **args, compiled=compiled, fp8=recipe)
+            for recipe in ("off", "tensorwise")
+        )
+        predicted = bf16["saved_no_checkpointing"] - fp8["saved_no_checkpointing"]
+        measured = _saved_with_fast_paths(config, compiled) - _saved_with_fast_paths(
+            config, compiled, fp8="tensorwise"
+        )
+        assert measured == pytest.approx(predicted, rel=0.02, abs=1024), compiled
+        assert (predicted > 0) == compiled
 
 
 @pytest.mark.parametrize("experts", [False, True], ids=["frozen-experts", "adapted-experts"])
@@ -296,8 +286,10 @@ def test_lora_saved_activations_match_autograd(family, experts):
         )  # fmt: skip
         got = predicted["saved_no_checkpointing"] + adapters
         assert got == pytest.approx(measured, rel=0.01), compiled
-    full = memory.activation_bytes(config, seq_len=64, micro_batch=2, precision="bf16", ce_chunk=37)
-    assert predicted["layer_moe"] < full["layer_moe"]
+        full = memory.activation_bytes(
+            config, seq_len=64, micro_batch=2, precision="bf16", ce_chunk=37, compiled=compiled
+        )
+        assert predicted["layer_moe"] < full["layer_moe"]
 
 
 def test_activation_checkpointing_reduces_activations():

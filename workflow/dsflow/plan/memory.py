@@ -151,6 +151,7 @@ class Setup:
     ce_chunk: int = 0  # train.perf.ce_chunk as resolved: 0 = the full fp32 logits
     compiled: bool = False  # train.perf.compile as resolved; no layout compiles at ZeRO-3
     fp8: str = "off"  # train.perf.fp8's recipe ("off": bf16 linears)
+    experts_in_graph: bool = False  # the sorted experts in bf16: inside the compiled graphs
     # The setting that makes the train stage refuse ZeRO-3 (train.perf.compile: true, or
     # train.perf.fp8 or fp8_experts on), so that no plan offers it; "" = none.
     no_zero3: str = ""
@@ -286,35 +287,37 @@ def _mlps_per_token(
     return dense_mlp, post_norm + router + routed + shared
 
 
-def compiled_unsaved(d: dict[str, int], a: int, frozen_base: bool) -> tuple[int, int, int]:
+def compiled_unsaved(
+    d: dict[str, int], a: int, frozen_base: bool, experts_in_graph: bool
+) -> tuple[int, int, int]:
     """(dense layer, MoE layer, final norm) bytes per token that compiled layers do not keep of
     what eager ones do: Inductor's partitioner recomputes cheap results in backward instead of
     saving them. Gone are every RMSNorm's fp32 input copy, one expert-width tensor of each MLP
-    (the dense MLP's, each routed pair's, the shared experts'), the kv_a norm's 16-bit output
-    (kv_a's output, rope included, is kept instead) and, per MoE layer, the router's fp32 top-k
-    weights, group mask and two index tensors. LoRA (`frozen_base`) keeps the routed pairs'
-    tensors, the final norm's fp32 copy and one more hidden-wide 16-bit tensor per layer and at
-    the head. Read off saved_tensors_hooks on CPU (every fast path; hidden 1024 and 2048, both
-    families, LoRA with and without the experts) and held against autograd's count there
-    (tests/test_plan.py)."""
+    (the dense MLP's, the shared experts', and each routed pair's where the experts run inside
+    the graph: the sorted experts in bf16, `experts_in_graph`), the kv_a norm's 16-bit output
+    (kv_a's output, rope included, is kept instead) and, per MoE layer, a few router tensors.
+    LoRA (`frozen_base`) keeps the routed pairs' tensors, the final norm's fp32 copy and one
+    more hidden-wide 16-bit tensor per layer and at the head. Read off saved_tensors_hooks on
+    CPU (every fast path; hidden 1024 and 2048, both families, LoRA with and without the
+    experts, fp32) and held against autograd's count there (tests/test_plan.py)."""
     H, kv, rope = d["H"], d["kv_lora"], d["rope"]
     norm_a, kept = (0, a * H) if frozen_base else (a, 0)
     norms = 4 * (2 * H + d["q_lora"] + kv)  # input and post-attention norms, q_a and kv_a
     attention = norms + norm_a * kv - a * (kv + rope) - kept
-    routed = 0 if frozen_base else d["K"] * a * d["mi"]
-    router = d["E"] + 4 * d["K"] + 24  # bool group mask, fp32 top-k weights, two int64 indices
+    routed = d["K"] * a * d["mi"] if experts_in_graph and not frozen_base else 0
+    router = d["E"] + 4 * d["K"] + 24  # a bool group mask (E), fp32 top-k weights (K), 3 int64
     moe = attention + routed + a * d["mi"] * d["shared"] + router
     return attention + a * d["inter"], moe, -a * H if frozen_base else 4 * H
 
 
-def fp8_unsaved(d: dict[str, int], recipe: str) -> tuple[int, int]:
-    """(dense layer, MoE layer) elements per token that compiled layers no longer keep with
+def fp8_unsaved(d: dict[str, int], a: int, recipe: str) -> tuple[int, int]:
+    """(dense layer, MoE layer) bytes per token that compiled layers no longer keep with
     train.perf.fp8 (`recipe`): the input of a linear that turned float8 (float8.worthwhile) is
     not saved for its weight gradient when every consumer of that input is such a linear: the
-    compiled backward recomputes it (the norm, the cast) from what it keeps anyway. Measured on
-    CPU with saved_tensors_hooks (tests/test_plan.py): exactly these inputs leave, at hidden
-    1024, 2048 and 4096, tensorwise and rowwise. Without compile autograd keeps the same
-    tensors as in bf16."""
+    compiled backward recomputes it (the norm, the cast) from what it keeps anyway. Read off
+    saved_tensors_hooks on CPU (bench/saved_activations.py): exactly these inputs leave, at
+    hidden 1024, 2048 and 4096, tensorwise and rowwise; tests/test_plan.py holds hidden 2048
+    tensorwise. Without compile autograd keeps the same tensors as in bf16."""
     if recipe not in float8.RECIPES:
         return 0, 0
     H, heads, v = d["H"], d["heads"], d["v"]
@@ -331,7 +334,7 @@ def fp8_unsaved(d: dict[str, int], recipe: str) -> tuple[int, int]:
     dense = gone(H, [(d["inter"], H)] * 2) + gone(d["inter"], [(H, d["inter"])])
     shared = d["mi"] * d["shared"]  # the MoE layer's input also feeds the router and experts
     moe = gone(shared, [(H, shared)]) if shared else 0
-    return attention + dense, attention + moe
+    return a * (attention + dense), a * (attention + moe)
 
 
 def activation_bytes(
@@ -346,6 +349,7 @@ def activation_bytes(
     frozen_experts: bool = False,
     frozen_base: bool = False,
     fp8: str = "off",
+    experts_in_graph: bool = False,
 ) -> dict[str, Any]:
     """Activation memory of one micro batch, without and with activation checkpointing.
     ``ce_chunk`` > 0: the fused lm_head + cross-entropy (dsflow.model.loss) over chunks of that
@@ -355,6 +359,8 @@ def activation_bytes(
     where the lm_head and the routers never train, so the fused loss makes and keeps no
     gradient for the lm_head, no router keeps its fp32 input and no norm its 16-bit output.
     ``fp8``: train.perf.fp8's recipe; compiled layers then keep less (:func:`fp8_unsaved`).
+    ``experts_in_graph``: the routed experts run inside the compiled graphs (the sorted experts
+    in bf16), which then keep less of theirs.
 
     ``saved_*`` is what autograd keeps between forward and backward (what
     ``torch.autograd.graph.saved_tensors_hooks`` sees, parameters excluded); ``peak_*`` adds the
@@ -372,9 +378,11 @@ def activation_bytes(
     per_tok_moe = _norm(H, norm_a) + attention + moe_mlp
     rope_per_layer = a * d["rope"] * seq_len  # cos/sin in the activation dtype, per position
     router_weight = 4 * E * H if a < 4 else 0  # fp32 copy of the router weight, per MoE layer
-    gone_dense, gone_moe, gone_norm = compiled_unsaved(d, a, frozen_base) if compiled else (0, 0, 0)
-    fp8_dense, fp8_moe = fp8_unsaved(d, fp8) if compiled else (0, 0)
-    gone_dense, gone_moe = gone_dense + a * fp8_dense, gone_moe + a * fp8_moe
+    gone_dense, gone_moe, gone_norm = (
+        compiled_unsaved(d, a, frozen_base, experts_in_graph) if compiled else (0, 0, 0)
+    )
+    fp8_dense, fp8_moe = fp8_unsaved(d, a, fp8) if compiled else (0, 0)
+    gone_dense, gone_moe = gone_dense + fp8_dense, gone_moe + fp8_moe
     layer_dense = (per_tok_dense - gone_dense) * T + rope_per_layer
     layer_moe = (per_tok_moe - gone_moe) * T + rope_per_layer + router_weight
     layers = d["n_dense"] * layer_dense + d["n_moe"] * layer_moe
@@ -561,6 +569,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "ce_chunk": setup.ce_chunk,
         "compiled": setup.compiles,
         "fp8": setup.fp8,
+        "experts_in_graph": setup.experts_in_graph,
     }
 
 
@@ -602,6 +611,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         frozen_experts=setup.frozen_experts,
         frozen_base=setup.lora_adapter > 0,
         fp8=setup.fp8,
+        experts_in_graph=setup.experts_in_graph,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
     acts.update(_lora_activations(setup, acts["tokens"]))

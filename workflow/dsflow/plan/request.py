@@ -355,12 +355,13 @@ def _resources(
 def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
     """The memory setup's fast paths as the train stage resolves train.perf
     (dsflow.model.fastpaths): the fused loss (`auto`: on CUDA, never with fp16), compiled
-    layers (`auto`: on CUDA; never at ZeRO-3, which :func:`memory.estimate` applies per layout)
-    and the FP8 linears' recipe."""
+    layers (`auto`: on CUDA; never at ZeRO-3, which :func:`memory.estimate` applies per layout),
+    whether the routed experts run inside them (the sorted experts, in bf16) and the FP8
+    linears' recipe."""
     from dsflow.model import fastpaths
 
     asked = train.get("perf") or {}
-    perf = {k: v for k, v in asked.items() if k in ("ce_chunk", "compile")}
+    perf = {k: v for k, v in asked.items() if k in ("ce_chunk", "compile", "experts")}
     if precision == "fp16":
         perf["ce_chunk"] = 0
     chosen = fastpaths.resolve(perf, device, precision=precision)
@@ -369,11 +370,13 @@ def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
     no_zero3 = f"train.perf.{fp8[0][0]}: {fp8[0][1]}" if fp8 else ""
     if perf.get("compile") is True:
         no_zero3 = "train.perf.compile: true"
-    recipe = asked.get("fp8") or "off"
     return {
-        "ce_chunk": chosen.ce_chunk, "compiled": chosen.compile, "fp8": recipe,
+        "ce_chunk": chosen.ce_chunk,
+        "compiled": chosen.compile,
+        "experts_in_graph": chosen.experts == "sorted" and precision == "bf16",
+        "fp8": asked.get("fp8") or "off",  # as fastpaths.fp8_choice reads it
         "no_zero3": no_zero3,
-    }  # fmt: skip
+    }
 
 
 def _balance_loss(balance: dict, config: Any) -> bool:
