@@ -74,16 +74,23 @@ def best(run: dict, per_token: float) -> tuple[int, float] | None:
     if not run.get("val_loss"):
         return None
     step = min(run["val_loss"], key=run["val_loss"].get)
-    return step, run["val_loss"][step] / math.log(2) / per_token
+    return step, bits_per_byte(run["val_loss"][step], per_token)
+
+
+def bits_per_byte(nats_per_token: float, per_token: float) -> float:
+    return nats_per_token / math.log(2) / per_token
+
+
+def seconds_to(run: dict, step: int) -> float:
+    """Training seconds up to and including `step`."""
+    return sum(s for k, s in run["step_s"].items() if k <= step)
 
 
 def reached(run: dict, target_bpb: float, per_token: float) -> tuple[int, float] | None:
     """(step, training seconds) of the first validation at or under `target_bpb`, or None."""
     for step in sorted(run["val_loss"]):
-        bpb = run["val_loss"][step] / math.log(2) / per_token
-        if bpb <= target_bpb:
-            seconds = sum(s for k, s in run["step_s"].items() if k <= step)
-            return step, seconds
+        if bits_per_byte(run["val_loss"][step], per_token) <= target_bpb:
+            return step, seconds_to(run, step)
     return None
 
 
@@ -165,8 +172,8 @@ def plot(runs: dict, floor: float, target: float, per_token: float, path: Path) 
         if run.get("failed") or not run.get("val_loss"):
             continue
         steps = sorted(run["val_loss"])
-        seconds = [sum(s for k, s in run["step_s"].items() if k <= step) for step in steps]
-        bpb = [run["val_loss"][step] / math.log(2) / per_token for step in steps]
+        seconds = [seconds_to(run, step) for step in steps]
+        bpb = [bits_per_byte(run["val_loss"][step], per_token) for step in steps]
         ax.plot(seconds, bpb, marker=".", label=name)
     ax.axhline(floor, color="black", linewidth=0.8, label=f"entropy floor {floor:.3f}")
     ax.axhline(target, color="gray", linestyle="--", linewidth=0.8, label=f"target {target:.3f}")
@@ -180,7 +187,7 @@ def plot(runs: dict, floor: float, target: float, per_token: float, path: Path) 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="dense", choices=sorted(tt.CONFIGS))
-    ap.add_argument("--variants", default="baseline,dsflow")
+    ap.add_argument("--variants", default="dsflow,baseline", help="the first sets the levels")
     ap.add_argument("--within", type=float, default=0.10, help="margin over the floor")
     ap.add_argument("--steps", type=int, default=1500, help="the longest a variant trains")
     ap.add_argument("--eval-every", type=int, default=25)
@@ -212,7 +219,7 @@ def main() -> int:
         "train_passes": reads, "runs": {},
     }  # fmt: skip
     level = target
-    for name in args.variants.split(","):
+    for i, name in enumerate(args.variants.split(",")):
         until = "" if level == target else f" (until val {level:.4f}, as the first got)"
         print(f"running {name} ...{until}", flush=True)
         save = functools.partial(keep_partial, results, name, out / "time_to_quality.json")
@@ -222,7 +229,7 @@ def main() -> int:
         results["runs"][name] = {**r, "reached": hit, "milestones": done}
         (out / "time_to_quality.json").write_text(json.dumps(results, indent=2))
         report(name, r, hit, args, floor, per_token)
-        if len(results["runs"]) == 1:
+        if i == 0:
             level = stop_level(r, target, floor, per_token, margins)
     runs = results["runs"]
     summary = table(runs, floor, per_token, margins)
