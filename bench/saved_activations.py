@@ -23,6 +23,7 @@ import copy
 import sys
 
 import torch
+import train_throughput as tt
 
 from dsflow.model import lora
 from dsflow.model.fastpaths import DEFAULT_CE_CHUNK
@@ -30,6 +31,21 @@ from dsflow.model.presets import model_config
 from dsflow.plan import memory
 
 SEQ, MICRO = 256, 2
+
+
+def saved_counter(model) -> tuple[dict[int, tuple[int, str]], object]:
+    """({storage: (bytes, dtype)}, a saved_tensors_hooks pack function filling it): what
+    autograd keeps for backward, the model's parameters left out."""
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, tuple[int, str]] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own and storage.data_ptr() != 0:
+            saved[storage.data_ptr()] = (storage.nbytes(), str(t.dtype).replace("torch.", ""))
+        return t
+
+    return saved, pack
 
 
 def saved_tensors(
@@ -59,19 +75,11 @@ def saved_tensors(
         model.requires_grad_(False)
         lora.attach(model, adapters)
     model = model.to(device, dtype).train()
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
     balancer = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=1e-4)
     perf = fastpaths.Perf(compiled, "flash_padded", 37, False, experts="sorted", fp8=fp8)
     fastpaths.apply(model, perf, balancer)
     trainee = TrainingLM(model, ce_chunk=37)
-    saved: dict[int, tuple[int, str]] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own and storage.data_ptr() != 0:
-            saved[storage.data_ptr()] = (storage.nbytes(), str(t.dtype).replace("torch.", ""))
-        return t
-
+    saved, pack = saved_counter(model)
     ids = torch.randint(0, config.vocab_size, (MICRO, seq + 1)).to(device)
     for _ in range(2):
         saved.clear()
@@ -122,23 +130,21 @@ def run_saved(args: argparse.Namespace) -> None:
 
 
 # The runs of performance.md's planner-accuracy table: (row, preset, overrides, vocabulary,
-# seq, micro, ZeRO stage, train.lora targets or None).
+# seq, micro, ZeRO stage, train.lora targets or None); the bench's configs where they ran there.
+DENSE = {"first_k_dense_replace": 16}
+LORA = ["attention", "dense_mlp", "shared_experts"]
 LAUNCHES = [
     ("`small` MoE", "small", {}, 3489, 1024, 16, 0, None),
     ("`medium` MoE", "medium", {}, 3489, 1024, 16, 0, None),
-    ("`medium` all dense", "medium", {"first_k_dense_replace": 16}, 3489, 1024, 16, 0, None),
+    ("`medium` all dense", "medium", DENSE, 3489, 1024, 16, 0, None),
     ("`medium` MoE, ZeRO-2", "medium", {}, 3489, 1024, 8, 2, None),
-    ("V2-Lite widths, 4 layers", "deepseek-v2-lite", {"num_hidden_layers": 4}, 3488, 1024, 16, 0, None),
+    ("V2-Lite widths, 4 layers", *tt.CONFIGS["v2lite4"].values(), 3488, 1024, 16, 0, None),
     ("`profiles/h200.yaml`", "moonlight-16b-a3b", {"num_hidden_layers": 8}, 3488, 2048, 16, 0, None),
     ("H100: `small` MoE, ZeRO-2", "small", {}, 3488, 1024, 16, 2, None),
-    ("H100: `medium` all dense, ZeRO-2", "medium", {"first_k_dense_replace": 16}, 3488, 1024, 8, 2, None),
-    ("H100: V2-Lite widths, LoRA", "deepseek-v2-lite", {"num_hidden_layers": 4}, 3488, 1024, 16, 0,
-     ["attention", "dense_mlp", "shared_experts"]),
-    ("H100: Moonlight widths, 4 layers", "moonlight-16b-a3b", {"num_hidden_layers": 4}, 3488, 1024, 16, 0, None),
-    ("H100: hidden 4096, 4 dense layers", "medium", {
-        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 4,
-        "first_k_dense_replace": 4, "num_attention_heads": 32, "q_lora_rank": 1536,
-        "kv_lora_rank": 512}, 3488, 1024, 16, 0, None),
+    ("H100: `medium` all dense, ZeRO-2", "medium", DENSE, 3488, 1024, 8, 2, None),
+    ("H100: V2-Lite widths, LoRA", *tt.CONFIGS["v2lite4"].values(), 3488, 1024, 16, 0, LORA),
+    ("H100: Moonlight widths, 4 layers", *tt.CONFIGS["moonlight4"].values(), 3488, 1024, 16, 0, None),
+    ("H100: hidden 4096, 4 dense layers", *tt.CONFIGS["dense4096"].values(), 3488, 1024, 16, 0, None),
 ]  # fmt: skip
 
 

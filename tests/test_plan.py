@@ -96,19 +96,12 @@ def test_v3_expert_bank_is_one_module():
 # --------------------------------------------------------------------------- activations
 
 
-def _saved_counter(model) -> tuple[dict[int, int], object]:
-    """(storage -> bytes, a saved_tensors_hooks pack function filling it): what autograd saves
-    for backward, the model's parameters left out."""
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
+def _saved_activations():
+    """bench/saved_activations.py: its counter of what autograd keeps for backward."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import saved_activations
 
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in own and s.data_ptr() != 0:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
-
-    return saved, pack
+    return saved_activations
 
 
 def _measured_saved_bytes(config, micro, seq, dtype, ce_chunk=0) -> int:
@@ -126,7 +119,7 @@ def _measured_saved_bytes(config, micro, seq, dtype, ce_chunk=0) -> int:
     )
     model.train()
     balancer = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=1e-4)
-    saved, pack = _saved_counter(model)
+    saved, pack = _saved_activations().saved_counter(model)
     ids = torch.randint(0, config.vocab_size, (micro, seq + 1))
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -136,7 +129,7 @@ def _measured_saved_bytes(config, micro, seq, dtype, ce_chunk=0) -> int:
                 loss = mean_loss(model, ids[:, :-1], ids[:, 1:])
             loss = loss + balancer.aux_loss()
     assert torch.isfinite(loss)
-    return sum(saved.values())
+    return sum(b for b, _ in saved.values())
 
 
 @pytest.mark.parametrize(
@@ -176,10 +169,8 @@ def test_saved_activations_with_the_fused_loss_match_autograd(precision):
 def _saved_with_fast_paths(config, compiled: bool, **how) -> int:
     """What autograd saves (parameters excluded) with the train stage's CUDA fast paths on
     2 x 64 tokens (bench/saved_activations.py: `how` = adapters, fp8, device, dtype)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from saved_activations import saved_tensors
-
-    return sum(b for b, _ in saved_tensors(config, compiled, seq=64, **how).values())
+    saved = _saved_activations().saved_tensors(config, compiled, seq=64, **how)
+    return sum(b for b, _ in saved.values())
 
 
 @pytest.mark.parametrize(
