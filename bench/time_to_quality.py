@@ -20,7 +20,9 @@ tightest level of MARGINS it reached, so the slower stock path runs only as long
 comparison needs (`--max-seconds` caps any variant's training time). The figure is given at
 every level of MARGINS: a table of training seconds and the first variant's speed-up
 (time_to_quality.md) and val bits per byte against training seconds (time_to_quality.png).
-time_to_quality.json holds every run's curves, a running one's as of its last validation.
+time_to_quality.json holds every run's curves, a running one's as of its last validation;
+`--reuse` takes the variants that finished there (same corpus and settings) instead of running
+them again, so the variants can run in separate invocations.
 
     python bench/time_to_quality.py --config dense --variants dsflow,baseline --within 0.10
 
@@ -196,6 +198,11 @@ def parse_args() -> argparse.Namespace:
         "--max-seconds", type=float, default=0, help="stop a variant past this training time"
     )
     ap.add_argument("--out", default="bench-out")
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take a variant finished in --out's time_to_quality.json instead of running it",
+    )
     return ap.parse_args()
 
 
@@ -216,14 +223,19 @@ def main() -> int:
         )
     results = {
         "floor_bpb": floor, "target_bpb": target, "bytes_per_token": per_token,
-        "train_passes": reads, "runs": {},
+        "train_passes": reads, "settings": settings(args), "runs": {},
     }  # fmt: skip
+    done_before = finished_runs(out / "time_to_quality.json", results) if args.reuse else {}
     level = target
     for i, name in enumerate(args.variants.split(",")):
-        until = "" if level == target else f" (until val {level:.4f}, as the first got)"
-        print(f"running {name} ...{until}", flush=True)
-        save = functools.partial(keep_partial, results, name, out / "time_to_quality.json")
-        r = run_variant(name, args, out, level, per_token, progress=save)
+        if name in done_before:
+            print(f"{name}: taken from {out / 'time_to_quality.json'}")
+            r = done_before[name]
+        else:
+            until = "" if level == target else f" (until val {level:.4f}, as the first got)"
+            print(f"running {name} ...{until}", flush=True)
+            save = functools.partial(keep_partial, results, name, out / "time_to_quality.json")
+            r = run_variant(name, args, out, level, per_token, progress=save)
         hit = None if r.get("failed") else reached(r, target, per_token)
         done = {} if r.get("failed") else milestones(r, floor, per_token, margins)
         results["runs"][name] = {**r, "reached": hit, "milestones": done}
@@ -237,6 +249,33 @@ def main() -> int:
     plot(runs, floor, target, per_token, out / "time_to_quality.png")
     print(summary)
     return 0
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """What a run's curves depend on besides the corpus: a run is reused only under the same."""
+    return {k: getattr(args, k) for k in ("config", "steps", "eval_every", "eval_batches")}
+
+
+def finished_runs(path: Path, now: dict) -> dict:
+    """The runs in an earlier time_to_quality.json that finished (not failed, not cut off while
+    running) under the same corpus and settings; a run made under others is not comparable, and
+    the bench says so and runs it again."""
+    if not path.exists():
+        return {}
+    before = json.loads(path.read_text())
+    same = ("floor_bpb", "bytes_per_token", "settings")
+    if any(before.get(k) != now[k] for k in same):
+        print(f"not reusing {path}: made on another corpus or with other settings")
+        return {}
+    curves = ("val_loss", "step_s")  # JSON made their step keys strings
+    return {
+        name: {
+            **{k: v for k, v in run.items() if k not in ("reached", "milestones")},
+            **{k: {int(step): x for step, x in run[k].items()} for k in curves},
+        }
+        for name, run in before["runs"].items()
+        if not run.get("running") and not run.get("failed")
+    }
 
 
 def keep_partial(results: dict, name: str, path: Path, run: dict) -> None:

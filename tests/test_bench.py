@@ -483,6 +483,20 @@ def test_time_to_quality_compares_the_variants_at_every_level_the_first_one_reac
     assert saved["runs"]["baseline"]["milestones"]["0.15"] == [40, 60.0]
     assert "baseline ... (until val" in capsys.readouterr().out
 
+    # --reuse: the finished dsflow run is taken from the JSON and still sets the level; the
+    # baseline, cut off while running, runs again; a run saved under other settings too
+    saved["runs"]["baseline"]["running"] = True
+    (out_dir / "time_to_quality.json").write_text(json.dumps(saved))
+    levels.clear()
+    monkeypatch.setattr(sys, "argv", [*argv, "--reuse"])
+    assert ttq.main() == 0
+    assert levels == [pytest.approx(1.15 * floor)]  # only the baseline ran, to dsflow's level
+    assert (out_dir / "time_to_quality.md").read_text() == summary
+    assert "dsflow: taken from" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", [*argv[:4], "2", *argv[5:], "--reuse"])
+    assert ttq.main() == 0 and len(levels) == 3
+    assert "not reusing" in capsys.readouterr().out
+
     # --max-seconds: past it the run is stopped although val is far from the target
     monkeypatch.chdir(tmp_path)
     live = tmp_path / "dvclive/plots/metrics"
