@@ -860,6 +860,23 @@ def test_host_ram_is_one_nodes_ranks(monkeypatch, tmp_path):
     assert double["gpu"]["optimizer"] < single["gpu"]["optimizer"]
 
 
+def test_below_compute_capability_8_the_routed_experts_are_planned_as_hfs(monkeypatch, tmp_path):
+    """The sorted experts need torch's grouped GEMM (compute capability 8.0+); below it the
+    train stage keeps HF's experts, which compiled layers do not recompute: the plan counts
+    the routed pairs' tensors as kept, so it plans more for a V100 than for an A100."""
+    monkeypatch.chdir(tmp_path)
+    params = params_mod.deep_merge(_params(), {"train": {"device": "cuda", "gpus": 1}})
+
+    def planned(name: str, capability: list[int]):
+        gpu = {"index": 0, "name": name, "total_memory": 32 * 2**30, "capability": capability}
+        return request.resolve(params, None, gpus=[gpu])
+
+    a100, v100 = planned("NVIDIA A100", [8, 0]), planned("Tesla V100", [7, 0])
+    assert (a100.compiled, a100.experts_in_graph, v100.experts_in_graph) == (True, True, False)
+    activations = [layouts.assess(r)["estimate"]["gpu"]["activations"] for r in (a100, v100)]
+    assert activations[0] < activations[1]
+
+
 def test_a_pretrained_deepseek_v2_folder_is_planned_from_its_own_config(monkeypatch, tmp_path):
     """model.pretrained: a folder holding DeepSeek-V2-Lite's config (the planner reads no
     weights) is planned as that model, 15.7B / 2.4B at its 102,400 vocabulary, whatever

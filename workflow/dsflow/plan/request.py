@@ -352,11 +352,12 @@ def _resources(
     }
 
 
-def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
+def _perf(train: dict, device: str, precision: str, gpus: list[dict]) -> dict[str, Any]:
     """The memory setup's fast paths as the train stage resolves train.perf
     (dsflow.model.fastpaths): the fused loss (`auto`: on CUDA, never with fp16), compiled
     layers (`auto`: on CUDA; never at ZeRO-3, which :func:`memory.estimate` applies per layout),
-    whether the routed experts run inside them (the sorted experts, in bf16) and the FP8
+    whether the routed experts run inside them (the sorted experts, in bf16, on GPUs that run
+    torch's grouped GEMM: below compute capability 8.0 the train stage keeps HF's) and the FP8
     linears' recipe."""
     from dsflow.model import fastpaths
 
@@ -366,6 +367,8 @@ def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
         perf["ce_chunk"] = 0
     chosen = fastpaths.resolve(perf, device, precision=precision)
     fp8 = fp8_on(asked)
+    # A GPU named by a profile has no capability here: the GPUs such profiles name have it.
+    grouped_gemm = all(tuple(g.get("capability", (8, 0))) >= (8, 0) for g in gpus)
     # The train stage refuses ZeRO-3 with these (dsflow.model.fastpaths): no plan offers it.
     no_zero3 = f"train.perf.{fp8[0][0]}: {fp8[0][1]}" if fp8 else ""
     if perf.get("compile") is True:
@@ -373,7 +376,7 @@ def _perf(train: dict, device: str, precision: str) -> dict[str, Any]:
     return {
         "ce_chunk": chosen.ce_chunk,
         "compiled": chosen.compile,
-        "experts_in_graph": chosen.experts == "sorted" and precision == "bf16",
+        "experts_in_graph": chosen.experts == "sorted" and precision == "bf16" and grouped_gemm,
         "fp8": asked.get("fp8") or "off",  # as fastpaths.fp8_choice reads it
         "no_zero3": no_zero3,
     }
@@ -500,7 +503,7 @@ def resolve(
         offload_device=offload_device,
         # --gpus plans one machine; params plan train.nodes machines of train.gpus ranks each.
         nodes=1 if _arg(args, "gpus") else int(train.get("nodes", 1)),
-        **_perf(train, where["device"], _arg(args, "precision") or train["precision"]),
+        **_perf(train, where["device"], _arg(args, "precision") or train["precision"], gpus),
         **_lora(train, args, config, notes),
         **_checkpoints(train, dsconfig.Batch(micro, accum, world)),
         **where,
