@@ -505,6 +505,10 @@ FP8_EXPERTS_GPU = "needs torch's FP8 grouped GEMM: a GPU of compute capability 9
 FP8_EXPERTS_TORCHAO = "needs torchao, which is not installed (pip install 'dsflow[fp8]')"
 
 
+def _fp8_experts_refused(why: str) -> UsageError:
+    return UsageError(f"train.perf.fp8_experts: true {why}; set train.perf.fp8_experts: false")
+
+
 def check_fp8_experts_machine(device: str, gpus: list[dict]) -> None:
     """`train.perf.fp8_experts`'s device, GPUs and torchao, in one line before the launch (the
     model's own conditions are checked where it is built: use_fp8_experts)."""
@@ -515,7 +519,7 @@ def check_fp8_experts_machine(device: str, gpus: list[dict]) -> None:
         if tuple(gpu.get("capability", (9,)))[:1] != (9,):
             why = f"{FP8_EXPERTS_GPU}, and GPU {gpu['index']} ({gpu['name']}) is not"
     if why:
-        raise UsageError(f"train.perf.fp8_experts: true {why}; set train.perf.fp8_experts: false")
+        raise _fp8_experts_refused(why)
 
 
 def use_fp8_experts(model: Any, experts: str, device: Any = None) -> None:
@@ -538,7 +542,7 @@ def use_fp8_experts(model: Any, experts: str, device: Any = None) -> None:
     elif (gmm := _torchao_fp8_grouped_mm()) is None:
         why = FP8_EXPERTS_TORCHAO
     if why:
-        raise UsageError(f"train.perf.fp8_experts: true {why}; set train.perf.fp8_experts: false")
+        raise _fp8_experts_refused(why)
     global _FP8_GMM
     _FP8_GMM = gmm
     for module in banks:
