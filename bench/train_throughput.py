@@ -14,7 +14,7 @@ bf16, the same data, seed, batch and sequence length) twice:
   late; `no-overlap` changes nothing there: use `zero2+no-overlap`);
 - optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
   `no-fused-ce`, `no-prefetch`, `no-fused-checks`) to see what each gives, an opt-in one on
-  (`cudagraphs`), a ZeRO stage (`zero2`; `zero1`, `zero0`: one GPU has nothing to partition; `zero1` without DeepSpeed's per-parameter gradient hooks, as
+  (`cudagraphs`; `autotune`: compile_mode max-autotune-no-cudagraphs), a ZeRO stage (`zero2`; `zero1`, `zero0`: one GPU has nothing to partition; `zero1` without DeepSpeed's per-parameter gradient hooks, as
   train.zero's auto has it on one rank, `zero1-hooks` with them) or DeepSpeed's overlap_comm
   off (`no-overlap`); the MoE levers off: `hf-experts` (train.perf.experts: hf), `eager-hooks`
   (train.perf.compile_router_hooks: false); `sorted-experts`, `compiled-hooks` and
@@ -163,6 +163,8 @@ VARIANTS = {
     "sync-metrics": {"perf": {"async_metrics": False}},
     "no-overlap": {"zero": {"overlap_comm": False}},
     "cudagraphs": {"perf": {"compile_mode": "reduce-overhead"}},
+    # Inductor searches GEMM and fused-kernel configs for each layer's shapes (slow to compile)
+    "autotune": {"perf": {"compile_mode": "max-autotune-no-cudagraphs"}},
     # FP8 matmuls in the larger dense linears (torchao float8), per tensor or per row
     "fp8": {"perf": {"fp8": "tensorwise"}},
     "fp8-rowwise": {"perf": {"fp8": "rowwise"}},

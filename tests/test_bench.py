@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from dsflow.errors import UsageError
 from dsflow.paths import shard_index
 
 
@@ -236,6 +237,22 @@ def test_variants_stack_with_plus_and_a_wrong_name_stops_before_any_run(bench):
     }
     with pytest.raises(SystemExit, match="unknown zero9"):
         bench.variant("zero1+zero9")
+
+
+def test_every_variant_on_every_config_is_a_valid_params_overlay(bench):
+    """A misspelt key or value in a variant fails here in one line, not on a GPU mid-bench (the
+    fine-tuning variants continue from a checkpoint the bench saves; one stands in for it)."""
+    from dsflow import params as params_mod
+
+    base = params_mod.load(ROOT / "params.yaml")
+    for change in bench.VARIANTS.values():
+        for config in bench.CONFIGS.values():
+            if change.get("finetune"):
+                config = {**config, "pretrained": "checkpoint"}
+            params_mod.validate(params_mod.deep_merge(base, {"model": config, "train": change}))
+    with pytest.raises(UsageError, match="train.perf.compile_mode"):
+        wrong = {"train": {"perf": {"compile_mode": "max_autotune"}}}
+        params_mod.validate(params_mod.deep_merge(base, wrong))
 
 
 def test_each_run_prints_the_planned_against_the_measured_peak(
