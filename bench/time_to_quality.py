@@ -3,12 +3,12 @@ within a margin of the builtin corpus's entropy floor, for the stock path and ds
 
 Each variant is the train stage (`python -m dsflow train`, as bench/train_throughput.py runs it:
 same data, seed, batch, sequence length and variants) with validation every `--eval-every`
-steps. A step's time is the wall time since the previous step ended, so validation and the
-first step's compilation are in it; the sum of the step times up to a validation is the run's
-training time at that point (the process start and model build before the first step are
-left out, and printed apart as the stage's wall time). Val bits per byte come from the logged
-val loss (nats per token over `eval_batches` windows) and the val split's bytes per token (its
-shard index); the floor is the builtin corpus's val entropy (data/raw/manifest.json), a true
+steps. A step's time is the wall time since the previous step ended, validations left out
+(the train stage's step clock), so the first step's compilation is in it; the sum of the step
+times up to a validation is the run's training time at that point (the process start and model
+build before the first step are left out, and printed apart as the stage's wall time). Val
+bits per byte come from the logged val loss (nats per token over `eval_batches` windows) and
+the val split's bytes per token (its shard index); the floor is the builtin corpus's val entropy (data/raw/manifest.json), a true
 lower bound for any model of it. A run is stopped at its first validation within the margin
 (checkpoints/.stop, as the stage's own signal handler does it): the later steps would not change
 the figure, and the schedule, set by `--steps`, is the same for every variant. A run that reads
@@ -21,7 +21,7 @@ comparison needs (`--max-seconds` caps any variant's training time). The figure 
 every level of MARGINS: a table of training seconds and the first variant's speed-up
 (time_to_quality.md) and val bits per byte against training seconds (time_to_quality.png).
 time_to_quality.json holds every run's curves, a running one's as of its last validation;
-`--reuse` takes the variants that finished there (same corpus and settings) instead of running
+`--reuse` takes the variants that got as far there (same corpus and settings) instead of running
 them again, so the variants can run in separate invocations.
 
     python bench/time_to_quality.py --config dense --variants dsflow,baseline --within 0.10
@@ -201,7 +201,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--reuse",
         action="store_true",
-        help="take a variant finished in --out's time_to_quality.json instead of running it",
+        help="take a variant from --out's time_to_quality.json where it got as far as this "
+        "run would go, instead of running it (list every variant: the file is rewritten)",
     )
     return ap.parse_args()
 
@@ -228,7 +229,7 @@ def main() -> int:
     done_before = finished_runs(out / "time_to_quality.json", results) if args.reuse else {}
     level = target
     for i, name in enumerate(args.variants.split(",")):
-        if name in done_before:
+        if usable(done_before.get(name), level, per_token, args.steps):
             print(f"{name}: taken from {out / 'time_to_quality.json'}")
             r = done_before[name]
         else:
@@ -257,7 +258,7 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 def finished_runs(path: Path, now: dict) -> dict:
-    """The runs in an earlier time_to_quality.json that finished (not failed, not cut off while
+    """The runs in an earlier time_to_quality.json that ended (not failed, not cut off while
     running) under the same corpus and settings; a run made under others is not comparable, and
     the bench says so and runs it again."""
     if not path.exists():
@@ -267,15 +268,23 @@ def finished_runs(path: Path, now: dict) -> dict:
     if any(before.get(k) != now[k] for k in same):
         print(f"not reusing {path}: made on another corpus or with other settings")
         return {}
-    curves = ("val_loss", "step_s")  # JSON made their step keys strings
-    return {
-        name: {
-            **{k: v for k, v in run.items() if k not in ("reached", "milestones")},
-            **{k: {int(step): x for step, x in run[k].items()} for k in curves},
-        }
-        for name, run in before["runs"].items()
-        if not run.get("running") and not run.get("failed")
-    }
+    runs = {}
+    for name, run in before["runs"].items():
+        if run.get("running") or run.get("failed"):
+            continue
+        run = {k: v for k, v in run.items() if k not in ("reached", "milestones")}
+        for curve in ("val_loss", "step_s"):  # JSON made their step keys strings
+            run[curve] = {int(step): x for step, x in run[curve].items()}
+        runs[name] = run
+    return runs
+
+
+def usable(run: dict | None, level: float, per_token: float, steps: int) -> bool:
+    """Whether an earlier run answers what this one would: it got to `level`, or it trained
+    every step of the schedule. A run stopped short (--max-seconds) is run again."""
+    if run is None:
+        return False
+    return reached(run, level, per_token) is not None or max(run["step_s"], default=0) >= steps
 
 
 def keep_partial(results: dict, name: str, path: Path, run: dict) -> None:

@@ -14,9 +14,10 @@ bf16, the same data, seed, batch and sequence length) twice:
   late; `no-overlap` changes nothing there: use `zero2+no-overlap`);
 - optionally other variants (`--variants`): one lever off at a time (`no-compile`, `no-flash`,
   `no-fused-ce`, `no-prefetch`, `no-fused-checks`) to see what each gives, an opt-in one on
-  (`cudagraphs`; `autotune`: compile_mode max-autotune-no-cudagraphs), a ZeRO stage (`zero2`; `zero1`, `zero0`: one GPU has nothing to partition; `zero1` without DeepSpeed's per-parameter gradient hooks, as
-  train.zero's auto has it on one rank, `zero1-hooks` with them) or DeepSpeed's overlap_comm
-  off (`no-overlap`); the MoE levers off: `hf-experts` (train.perf.experts: hf), `eager-hooks`
+  (`cudagraphs`; `autotune`: compile_mode max-autotune-no-cudagraphs), a ZeRO stage (`zero2`;
+  `zero1`, `zero0`: one GPU has nothing to partition; `zero1` without DeepSpeed's
+  per-parameter gradient hooks, as train.zero's auto has it on one rank, `zero1-hooks` with
+  them) or DeepSpeed's overlap_comm off (`no-overlap`); the MoE levers off: `hf-experts` (train.perf.experts: hf), `eager-hooks`
   (train.perf.compile_router_hooks: false); `sorted-experts`, `compiled-hooks` and
   `sorted-compiled-hooks` turn them on whatever `auto` would pick;
   `fused-optimizer` (train.perf.optimizer: fused, at ZeRO-0: the default on one GPU),

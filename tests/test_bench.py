@@ -240,8 +240,9 @@ def test_variants_stack_with_plus_and_a_wrong_name_stops_before_any_run(bench):
 
 
 def test_every_variant_on_every_config_is_a_valid_params_overlay(bench):
-    """A misspelt key or value in a variant fails here in one line, not on a GPU mid-bench (the
-    fine-tuning variants continue from a checkpoint the bench saves; one stands in for it)."""
+    """A misspelt train key or value in a variant fails here in one line, not on a GPU
+    mid-bench (the fine-tuning variants continue from a checkpoint the bench saves; one stands
+    in for it). The configs' model.overrides are HF config keys, which the schema leaves open."""
     from dsflow import params as params_mod
 
     base = params_mod.load(ROOT / "params.yaml")
@@ -513,6 +514,12 @@ def test_time_to_quality_compares_the_variants_at_every_level_the_first_one_reac
     monkeypatch.setattr(sys, "argv", [*argv[:4], "2", *argv[5:], "--reuse"])
     assert ttq.main() == 0 and len(levels) == 3
     assert "not reusing" in capsys.readouterr().out
+    # a run that neither got to its level nor trained every step (stopped by --max-seconds) is
+    # run again; one that trained every step is taken although it fell short
+    stopped = made_up([0.45, 0.4, 0.25], 1.5)  # the slow run, stopped at step 30
+    assert not ttq.usable(stopped, 1.15 * floor, per_token, steps=40)
+    assert ttq.usable(stopped, 1.15 * floor, per_token, steps=30)
+    assert ttq.usable(fast, 1.15 * floor, per_token, steps=1000)
 
     # --max-seconds: past it the run is stopped although val is far from the target
     monkeypatch.chdir(tmp_path)

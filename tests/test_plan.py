@@ -208,7 +208,7 @@ def test_compiled_layers_save_what_the_plan_says(preset, overrides, precision):
 @pytest.mark.parametrize("layers", ["dense", "moe"])
 def test_cuda_compiled_layers_save_what_the_plan_says(layers):
     """The same count on a GPU, all-dense and all-MoE `medium` layers, eager and compiled:
-    within 2% (Inductor's CUDA graphs keep what its CPU graphs keep)."""
+    within 2% (at this shape Inductor's GPU kernels keep what its CPU kernels keep)."""
     dense = 2 if layers == "dense" else 0
     overrides = {"num_hidden_layers": 2, "first_k_dense_replace": dense, "v_head_dim": 96}
     config = model_config("medium", 1000, overrides)

@@ -367,7 +367,8 @@ def _perf(train: dict, device: str, precision: str, gpus: list[dict]) -> dict[st
         perf["ce_chunk"] = 0
     chosen = fastpaths.resolve(perf, device, precision=precision)
     fp8 = fp8_on(asked)
-    # A GPU named by a profile has no capability here: the GPUs such profiles name have it.
+    # The visible GPUs' capability; none listed (planned from a profile or --gpu-mem) counts as
+    # 8.0+, as the GPUs the profiles name are.
     grouped_gemm = all(tuple(g.get("capability", (8, 0))) >= (8, 0) for g in gpus)
     # The train stage refuses ZeRO-3 with these (dsflow.model.fastpaths): no plan offers it.
     no_zero3 = f"train.perf.{fp8[0][0]}: {fp8[0][1]}" if fp8 else ""
