@@ -8,12 +8,13 @@ steps. A step's time is the wall time since the previous step ended, validations
 times up to a validation is the run's training time at that point (the process start and model
 build before the first step are left out, and printed apart as the stage's wall time). Val
 bits per byte come from the logged val loss (nats per token over `eval_batches` windows) and
-the val split's bytes per token (its shard index); the floor is the builtin corpus's val entropy (data/raw/manifest.json), a true
-lower bound for any model of it. A run is stopped at its first validation within the margin
-(checkpoints/.stop, as the stage's own signal handler does it): the later steps would not change
-the figure, and the schedule, set by `--steps`, is the same for every variant. A run that reads
-the train split more than once trains on repeats, which can hold val above the target: the bench
-says so first, and a run out of reach reports its closest validation.
+the val split's bytes per token (its shard index); the floor is the builtin corpus's val
+entropy (data/raw/manifest.json), a true lower bound for any model of it. A run is stopped at
+its first validation within the margin (checkpoints/.stop, as the stage's own signal handler
+does it): the later steps would not change the figure, and the schedule, set by `--steps`, is
+the same for every variant. A run that reads the train split more than once trains on repeats,
+which can hold val above the target: the bench says so first, and a run out of reach reports
+its closest validation.
 
 The first variant sets how far the others go: to the target if it got there, else to the
 tightest level of MARGINS it reached, so the slower stock path runs only as long as the
