@@ -549,11 +549,25 @@ def use_fp8_experts(model: Any, experts: str, device: Any = None) -> None:
         setattr(module, FP8_EXPERTS, True)
 
 
+# torch's grouped GEMM, which the sorted experts call, needs a GPU of this compute capability.
+GROUPED_GEMM_CAPABILITY = (8, 0)
+
+
+def experts_in_graph(experts: str, precision: str, capabilities: list[tuple[int, int]]) -> bool:
+    """Whether the routed experts run inside the compiled layers, as the train stage sets them
+    up with `experts` resolved (:func:`resolve`) on GPUs of these compute capabilities: the
+    sorted experts in bf16 (other dtypes run them eagerly between the graphs:
+    sorted_experts_forward), on GPUs that have the grouped GEMM (below it `auto` keeps HF's:
+    _sorted_experts_refusal)."""
+    grouped_gemm = all(tuple(c) >= GROUPED_GEMM_CAPABILITY for c in capabilities)
+    return experts == "sorted" and precision == "bf16" and grouped_gemm
+
+
 def _sorted_experts_refusal(model: Any) -> str | None:
     """Why the sorted experts cannot run this model here (the rest of a one-line message), or
     None: they need torch's grouped GEMM (CPU, or a GPU of compute capability 8.0+) and
     DeepseekV3Experts' weight layout (DeepseekV2Experts' is the same)."""
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < GROUPED_GEMM_CAPABILITY:
         return "needs torch's grouped GEMM (a GPU of compute capability 8.0 or newer)"
     # Other HF experts may carry biases, transposed weights, a post-expert norm or
     # expert-parallel sentinel rows, which this path does not do.

@@ -367,9 +367,9 @@ def _perf(train: dict, device: str, precision: str, gpus: list[dict]) -> dict[st
         perf["ce_chunk"] = 0
     chosen = fastpaths.resolve(perf, device, precision=precision)
     fp8 = fp8_on(asked)
-    # The visible GPUs' capability; none listed (planned from a profile or --gpu-mem) counts as
-    # 8.0+, as the GPUs the profiles name are.
-    grouped_gemm = all(tuple(g.get("capability", (8, 0))) >= (8, 0) for g in gpus)
+    # The visible GPUs' capabilities; one not listed (a GPU named by a profile or --gpu-mem)
+    # counts as having the grouped GEMM, as the GPUs the profiles name do.
+    capabilities = [g.get("capability", fastpaths.GROUPED_GEMM_CAPABILITY) for g in gpus]
     # The train stage refuses ZeRO-3 with these (dsflow.model.fastpaths): no plan offers it.
     no_zero3 = f"train.perf.{fp8[0][0]}: {fp8[0][1]}" if fp8 else ""
     if perf.get("compile") is True:
@@ -377,7 +377,7 @@ def _perf(train: dict, device: str, precision: str, gpus: list[dict]) -> dict[st
     return {
         "ce_chunk": chosen.ce_chunk,
         "compiled": chosen.compile,
-        "experts_in_graph": chosen.experts == "sorted" and precision == "bf16" and grouped_gemm,
+        "experts_in_graph": fastpaths.experts_in_graph(chosen.experts, precision, capabilities),
         "fp8": asked.get("fp8") or "off",  # as fastpaths.fp8_choice reads it
         "no_zero3": no_zero3,
     }
