@@ -163,6 +163,9 @@ VARIANTS = {
     # each step's numbers read at once (a host sync per step), not one step late
     "sync-metrics": {"perf": {"async_metrics": False}},
     "no-overlap": {"zero": {"overlap_comm": False}},
+    # the classic setup's levers: fp16 with dynamic loss scaling, gradient accumulation
+    "fp16": {"precision": "fp16"},
+    "accum4": {"grad_accum": 4},
     "cudagraphs": {"perf": {"compile_mode": "reduce-overhead"}},
     # Inductor searches GEMM and fused-kernel configs for each layer's shapes (slow to compile)
     "autotune": {"perf": {"compile_mode": "max-autotune-no-cudagraphs"}},
@@ -520,7 +523,8 @@ def run_config(
     config = CONFIGS[cname]
 
     def mfus(step_s: float, vname: str) -> tuple:  # (tokens/s, MFU, of achievable) at this step
-        tps = args.micro * args.seq / step_s
+        # A step is grad_accum micro-steps of micro x seq tokens each.
+        tps = args.micro * args.seq * variant(vname).get("grad_accum", 1) / step_s
         lora = variant(vname).get("finetune") == "lora"
         fpt = flops_per_token(config, frozen=lora, seq=args.seq)
         return (tps, *(tps * fpt / (p * 1e12) if p else None for p in peaks))

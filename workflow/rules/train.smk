@@ -50,6 +50,7 @@ rule plan:
             "model/float8.py",
             "model/flops.py",
             "model/fp8.py",
+            "model/groupgemm.py",
             "model/lora.py",
             "model/presets.py",
             "model/source.py",

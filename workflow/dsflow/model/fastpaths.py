@@ -25,9 +25,12 @@
   dispatch (repeated rows: each token goes to k experts), the routing weights and the
   un-permutation. Each slot of the sort is one (token, k) pair, so the inverse permutation
   turns every scatter into a gather and a sum over a token's k rows. The same fp32 combine of
-  the k weighted outputs as HF. `auto` = sorted on CUDA in bf16 at ZeRO-0/1/2 (HF's
-  experts elsewhere, and on a GPU below SM80 or for another experts layout), HF's on CPU
-  (its gain with the hooks traced: docs/performance.md).
+  the k weighted outputs as HF. The grouped GEMMs are torch's (CUTLASS) in bf16 on compute
+  capability 9.x/10.x, else dsflow.model.groupgemm's Triton kernels (fp16; bf16 on 8.x GPUs
+  such as the RTX 4090), where torch's would sync with the host in every call. `auto` =
+  sorted on CUDA in bf16 and fp16 at ZeRO-0/1/2 (HF's experts elsewhere, and on a GPU below
+  SM80 or for another experts layout), HF's on CPU (its gain with the hooks traced:
+  docs/performance.md).
 - `fp8_experts` (opt-in): the sorted experts' two grouped GEMMs in FP8 (torchao's rowwise
   grouped GEMM, SM90), each expert's rows padded with zero rows to a multiple of 16 (at least 16).
 - `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.train.masteradam) instead of
@@ -64,7 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from dsflow.errors import UsageError
-from dsflow.model import float8
+from dsflow.model import float8, groupgemm
 from dsflow.params import fp8_on
 
 # HF treats any implementation name containing "flash" as a flash-attn package to import.
@@ -73,6 +76,8 @@ DEFAULT_CE_CHUNK = 8192
 SORTED_EXPERTS = "dsflow_sorted"
 FP8_EXPERTS = "dsflow_fp8_experts"  # set on an experts module: its grouped GEMMs run in FP8
 FP8_GROUP_ROWS = 16  # torch's FP8 grouped GEMM needs every group's rows in multiples of 16
+# Set on an experts module: the compute capability of its GPU (None: CPU), for grouped_gemm.
+GEMM_CAPABILITY = "dsflow_gemm_capability"
 
 
 @dataclass(frozen=True)
@@ -155,13 +160,13 @@ def resolve(
                 "set train.perf.ce_chunk: auto or 0, or use bf16"
             )
         ce_chunk = 0
-    # With the router hooks traced, the sorted experts shorten the MoE step in bf16 at
-    # ZeRO-0/1/2 (docs/performance.md). In fp32 they run eagerly between the compiled graphs
-    # (sorted_experts_forward), unmeasured for speed, while HF's compiled fp32 experts are
-    # exact on a GPU; fp16's loss scaling and ZeRO-3's parameter gathering are untested.
-    # There, and on CPU, auto keeps HF's.
+    # With the router hooks traced, the sorted experts shorten the MoE step in bf16 and fp16
+    # at ZeRO-0/1/2 (docs/performance.md). In fp32 they run eagerly between the compiled
+    # graphs (sorted_experts_forward), unmeasured for speed, while HF's compiled fp32 experts
+    # are exact on a GPU; ZeRO-3's parameter gathering is untested. There, and on CPU, auto
+    # keeps HF's.
     experts_auto = perf.get("experts", "auto") == "auto"
-    tested = precision == "bf16" and zero_stage in (0, 1, 2)
+    tested = precision in ("bf16", "fp16") and zero_stage in (0, 1, 2)
     experts = ("sorted" if cuda and tested else "hf") if experts_auto else perf["experts"]
     return Perf(
         compile=compile_,
@@ -420,12 +425,13 @@ def sorted_experts_forward(
     weights: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """HF experts interface (DeepseekV3Experts, DeepseekV2Experts): the routed experts' output
-    per token. Inside a compiled layer only in bf16: traced by torch 2.11's dynamo on an H200
-    (any backend, even "eager"), the fp32 experts got zero weight gradients and passed none
-    back to the router or the layers below, while the forward was exact; so other dtypes run
-    them eagerly between the layer's graphs (then exact, as in bf16 compiled). `weights`: any of
-    gate_up_proj and down_proj to use instead of the module's (LoRA's adapted weights)."""
-    if self.gate_up_proj.dtype != torch.bfloat16:
+    per token. Inside a compiled layer in bf16, and with the Triton GEMMs (_triton_gemm: fp16
+    on a GPU): traced by torch 2.11's dynamo on an H200 (any backend, even "eager"), the fp32
+    experts through torch's grouped GEMM got zero weight gradients and passed none back to the
+    router or the layers below, while the forward was exact; so fp32 runs them eagerly between
+    the layer's graphs (then exact, as in bf16 compiled). `weights`: any of gate_up_proj and
+    down_proj to use instead of the module's (LoRA's adapted weights)."""
+    if self.gate_up_proj.dtype != torch.bfloat16 and not _triton_gemm(self):
         return _sorted_experts_eager(self, hidden_states, top_k_index, top_k_weights, weights)
     return _sorted_experts(self, hidden_states, top_k_index, top_k_weights, weights)
 
@@ -445,6 +451,9 @@ def _sorted_experts(
     if getattr(self, FP8_EXPERTS, False):
         gmm = _fp8_grouped_mm
         padded, rows_of, offsets = _pad_groups(sorted_experts, order, offsets, FP8_GROUP_ROWS)
+    elif _triton_gemm(self):
+        gmm = groupgemm.grouped_mm  # every expert's rows start at a multiple of its tile
+        padded, rows_of, offsets = _pad_groups(sorted_experts, order, offsets, groupgemm.BLOCK_M)
     else:
         gmm, padded, rows_of = _grouped_mm, order, torch.arange(order.numel(), device=order.device)
     # Slot (token, k) -> its row: the inverse of the sort (through the padding, if any).
@@ -481,9 +490,13 @@ def _torchao_fp8_grouped_mm() -> Any:
 _sorted_experts_eager = torch.compiler.disable(_sorted_experts)
 
 
-def use_experts(model: Any, experts: str, fallback: bool = False) -> str:
+def use_experts(
+    model: Any, experts: str, fallback: bool = False, device: Any = None, capability: Any = None
+) -> str:
     """Route the model's experts through `experts` ("hf": leave them as built); the one in use.
-    Where the sorted experts do not apply, `fallback` keeps HF's, else a UsageError says why."""
+    Where the sorted experts do not apply, `fallback` keeps HF's, else a UsageError says why.
+    Their grouped GEMMs are chosen by the GPU they train on (`device`, None: the model's), or
+    by `capability` where given (the tests fake a GPU's): :func:`grouped_gemm`."""
     if experts == "hf" or not getattr(model.config, "n_routed_experts", 0):
         return "hf"
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -497,7 +510,35 @@ def use_experts(model: Any, experts: str, fallback: bool = False) -> str:
         )
     ALL_EXPERTS_FUNCTIONS.register(SORTED_EXPERTS, sorted_experts_forward)
     model.set_experts_implementation(SORTED_EXPERTS)
+    on = torch.device(device or next(model.parameters()).device)
+    if capability is None and on.type == "cuda":
+        capability = torch.cuda.get_device_capability(on)
+    for module in model.modules():
+        if hasattr(module, "gate_up_proj"):
+            setattr(module, GEMM_CAPABILITY, None if capability is None else tuple(capability))
     return "sorted"
+
+
+# torch's grouped GEMM has its one fast kernel (CUTLASS) for bf16 on these compute capabilities.
+TORCH_GROUPED_GEMM_MAJORS = (9, 10)
+
+
+def grouped_gemm(dtype: torch.dtype, capability: tuple[int, int] | None) -> str:
+    """Whose grouped GEMMs the sorted experts call on a GPU of `capability` (None: CPU):
+    torch's where it has its fast kernel, and on CPU; dsflow.model.groupgemm's Triton kernels
+    for fp16 and bf16 elsewhere on a GPU, where torch's falls back to a GEMM per expert behind
+    a host sync. fp32 keeps torch's (it runs eagerly: sorted_experts_forward)."""
+    if capability is None or dtype not in (torch.float16, torch.bfloat16):
+        return "torch"
+    fast = dtype == torch.bfloat16 and capability[0] in TORCH_GROUPED_GEMM_MAJORS
+    return "torch" if fast else "triton"
+
+
+def _triton_gemm(experts: Any) -> bool:
+    """Whether this experts module's grouped GEMMs are the Triton ones (its weights' dtype is
+    known only once DeepSpeed has cast them; a constant to torch.compile)."""
+    capability = getattr(experts, GEMM_CAPABILITY, None)
+    return grouped_gemm(experts.gate_up_proj.dtype, capability) == "triton"
 
 
 # torchao's FP8 grouped GEMM is written for Hopper; torch refuses or fails on other majors.
@@ -549,18 +590,18 @@ def use_fp8_experts(model: Any, experts: str, device: Any = None) -> None:
         setattr(module, FP8_EXPERTS, True)
 
 
-# torch's grouped GEMM, which the sorted experts call, needs a GPU of this compute capability.
+# The sorted experts' grouped GEMMs (torch's, or the Triton ones) need this compute capability.
 GROUPED_GEMM_CAPABILITY = (8, 0)
 
 
 def experts_in_graph(experts: str, precision: str, capabilities: list[tuple[int, int]]) -> bool:
     """Whether the routed experts run inside the compiled layers, as the train stage sets them
     up with `experts` resolved (:func:`resolve`) on GPUs of these compute capabilities: the
-    sorted experts in bf16 (other dtypes run them eagerly between the graphs:
-    sorted_experts_forward), on GPUs that have the grouped GEMM (below it `auto` keeps HF's:
+    sorted experts in bf16 or fp16 (fp32 runs them eagerly between the graphs:
+    sorted_experts_forward), on GPUs that have a grouped GEMM (below it `auto` keeps HF's:
     _sorted_experts_refusal)."""
-    grouped_gemm = all(tuple(c) >= GROUPED_GEMM_CAPABILITY for c in capabilities)
-    return experts == "sorted" and precision == "bf16" and grouped_gemm
+    has_gemm = all(tuple(c) >= GROUPED_GEMM_CAPABILITY for c in capabilities)
+    return experts == "sorted" and precision in ("bf16", "fp16") and has_gemm
 
 
 def _sorted_experts_refusal(model: Any) -> str | None:
@@ -568,7 +609,7 @@ def _sorted_experts_refusal(model: Any) -> str | None:
     None: they need torch's grouped GEMM (CPU, or a GPU of compute capability 8.0+) and
     DeepseekV3Experts' weight layout (DeepseekV2Experts' is the same)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < GROUPED_GEMM_CAPABILITY:
-        return "needs torch's grouped GEMM (a GPU of compute capability 8.0 or newer)"
+        return "needs a grouped GEMM (a GPU of compute capability 8.0 or newer)"
     # Other HF experts may carry biases, transposed weights, a post-expert norm or
     # expert-parallel sentinel rows, which this path does not do.
     flags = ("has_bias", "is_transposed", "has_post_expert_norm", "_is_expert_parallel")
@@ -587,7 +628,7 @@ def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> P
     compiled graphs, counting on `device` (the training device; None: the model's). Returns
     `perf` as applied: `experts` is HF's where `auto`'s sorted experts did not apply."""
     use_attention(model, perf.attention)
-    experts = use_experts(model, perf.experts, perf.experts_fallback)
+    experts = use_experts(model, perf.experts, perf.experts_fallback, device)
     perf = dataclasses.replace(perf, experts=experts, experts_fallback=False)
     if perf.fp8_experts:
         use_fp8_experts(model, experts, device)
