@@ -334,6 +334,10 @@ def launch_env(spec: dict) -> dict:
     threads = str(threads_per_rank(spec["params"]["train"], local))
     env.update({THREADS_ENV: threads, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Segments that grow in place instead of new blocks per size: ZeRO's buckets and gradient
+    # accumulation at a small micro batch otherwise leave gigabytes reserved but unused (the
+    # planner plans allocations; torchtitan sets the same). A user's own setting stays.
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return env
 
 
