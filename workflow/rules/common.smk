@@ -11,8 +11,24 @@ from dsflow import machine
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
 
+
+
+def config_source():
+    """The files Snakemake's config came from, as a message names them: the Snakefile's
+    configfile, then --configfile overlays, then --config."""
+    given = [Path(f).absolute() for f in workflow.overwrite_configfiles]
+    files = [str(f) for f in workflow.configfiles if Path(f).absolute() not in given]
+    files += [os.path.relpath(f) for f in given]
+    if workflow.config_settings.config:
+        files.append("--config")
+    return " + ".join(files) or "Snakemake config"
+
+
+os.environ[params_mod.CONFIG_SOURCE_ENV] = config_source()
 try:
-    config.update(params_mod.validate(dict(config), source="Snakemake config"))
+    config.update(
+        params_mod.validate(dict(config), source=os.environ[params_mod.CONFIG_SOURCE_ENV])
+    )
 except UsageError as e:
     sys.exit(f"dsflow: error: {e}")
 validate(config, schema="../schemas/params.schema.yaml")

@@ -73,6 +73,7 @@ RESUMABLE_KEYS = {
     "master_port",
     "force",
     "max_bad_steps",
+    "keep_previous_runs",
     "perf",  # fast paths change speed, not the math (but train.perf.fp8: see fingerprint)
     # where the ranks run, not what they compute
     "nodes",
@@ -353,7 +354,8 @@ def prune(root: Path, keep: int) -> list[str]:
 
 
 def clear(root: Path = CHECKPOINTS) -> None:
-    """Remove a previous run's checkpoints (a different fingerprint cannot be resumed)."""
+    """Remove the checkpoints of the run in `root` (train.keep_previous_runs: 0, where they
+    cannot be moved aside: see `move_aside`)."""
     for tag in tags(root):
         shutil.rmtree(root / tag, ignore_errors=True)
     remove_temp_tags(root)
@@ -546,3 +548,114 @@ def resume(run: Any, spec: Any) -> tuple[int, dict | None]:
         elastic = f" (saved by {saved} ranks)" if saved != spec.world else ""
         print(f"[dsflow train] resumed from step {client['step']}{elastic}", file=sys.stderr)
     return client["step"], client.get("health")
+
+
+# --------------------------------------------------------------------------- earlier runs
+# A params change that starts a new run keeps the run it replaces: `move_aside` moves its tags,
+# `latest`, run.json and ds_config.json into previous/<fingerprint>-step<N>/, where neither
+# `tags` nor `resume_tag` looks; `bring_back` returns one when its params are restored.
+# Entries move one rename each into a hidden staging folder, which one rename then names (or,
+# bringing back, one rename hides the folder first), so a run is visible in one place only; a
+# kill in between is finished by `finish_moves` at the next start.
+
+PREVIOUS = "previous"
+MOVING = ".moving-"
+RESTORING = ".restoring-"
+RUN_FILES = ("latest", "run.json", "ds_config.json")
+
+
+def run_entries(root: Path) -> list[str]:
+    """The names in `root` that make up the run it holds: its tags and the files naming it."""
+    return tags(root) + [name for name in RUN_FILES if (root / name).is_file()]
+
+
+def _move_entries(src: Path, dst: Path, names: list[str]) -> None:
+    for name in names:
+        os.rename(src / name, dst / name)
+    fsync_dir(src)
+    fsync_dir(dst)
+
+
+def previous_runs(root: Path = CHECKPOINTS) -> list[str]:
+    """The moved-aside runs in previous/, oldest first (by when they were moved)."""
+    folder = root / PREVIOUS
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return [p.name for p in sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))]
+
+
+def previous_name(root: Path, fingerprint: str | None) -> str:
+    """`<fingerprint>-step<N>`: the run and its newest step; a free name in previous/."""
+    newest = tags(root)[-1]
+    base = f"{fingerprint or 'unknown'}-{TAG_PREFIX}{step_of(newest)}"
+    name, n = base, 1
+    while (root / PREVIOUS / name).exists() or (root / PREVIOUS / f"{MOVING}{name}").exists():
+        n += 1
+        name = f"{base}.{n}"
+    return name
+
+
+def move_aside(root: Path, fingerprint: str | None) -> str | None:
+    """Move the run in `root` into previous/<fingerprint>-step<N>/; returns that path relative
+    to `root` (None when `root` holds no checkpoint). OSError when it cannot be moved."""
+    if not tags(root):
+        return None
+    name = previous_name(root, fingerprint)
+    folder = root / PREVIOUS
+    folder.mkdir(exist_ok=True)
+    staging = folder / f"{MOVING}{name}"
+    staging.mkdir()
+    _move_entries(root, staging, run_entries(root))
+    os.rename(staging, folder / name)
+    fsync_dir(folder)
+    # The folder's time says when the run was moved aside: retention removes the oldest.
+    os.utime(folder / name)
+    return f"{PREVIOUS}/{name}"
+
+
+def bring_back(root: Path, name: str) -> None:
+    """Move previous/`name` back into `root` (which holds no run: see `move_aside`)."""
+    folder = root / PREVIOUS
+    hidden = folder / f"{RESTORING}{name}"
+    os.rename(folder / name, hidden)
+    fsync_dir(folder)
+    _move_entries(hidden, root, sorted(p.name for p in hidden.iterdir()))
+    hidden.rmdir()
+    fsync_dir(folder)
+
+
+def finish_moves(root: Path = CHECKPOINTS) -> list[str]:
+    """Finish what a killed `move_aside` or `bring_back` left half done; returns the runs'
+    names."""
+    folder = root / PREVIOUS
+    if not folder.is_dir():
+        return []
+    done = []
+    for staging in sorted(folder.glob(f"{MOVING}*")):
+        name = staging.name[len(MOVING) :]
+        _move_entries(root, staging, run_entries(root))
+        os.rename(staging, folder / name)
+        done.append(name)
+    for hidden in sorted(folder.glob(f"{RESTORING}*")):
+        _move_entries(hidden, root, sorted(p.name for p in hidden.iterdir()))
+        hidden.rmdir()
+        done.append(hidden.name[len(RESTORING) :])
+    fsync_dir(folder)
+    return done
+
+
+def kept_run(root: Path, fingerprint: str) -> str | None:
+    """The newest moved-aside run of this fingerprint, by its newest step."""
+    runs = [n for n in previous_runs(root) if n.startswith(f"{fingerprint}-{TAG_PREFIX}")]
+    steps = {n: int(re.sub(r"\D.*", "", n.split(f"-{TAG_PREFIX}", 1)[1]) or 0) for n in runs}
+    return max(runs, key=lambda n: (steps[n], n)) if runs else None
+
+
+def drop_previous(root: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` moved-aside runs; returns the names removed."""
+    runs = previous_runs(root)
+    removed = runs[: max(len(runs) - keep, 0)]
+    for name in removed:
+        shutil.rmtree(root / PREVIOUS / name)
+    return removed

@@ -38,6 +38,7 @@ from dsflow.data.shards import load_index
 from dsflow.errors import UsageError
 from dsflow.model import fastpaths, float8, lora, presets, source
 from dsflow.model.build import check_vocab_fits, load_checkpoint_config
+from dsflow.params import one_line
 from dsflow.paths import CHECKPOINTS, SHARDS
 from dsflow.plan import layouts, memory, request
 from dsflow.progress import child_output, log, whole_lines
@@ -181,39 +182,117 @@ def zero_partitioned(spec: dict) -> bool | None:
 
 
 def prepare_run_dir(spec: dict) -> None:
-    """Clean up after interrupted runs and pick the checkpoint to resume (spec["resume"])."""
+    """Pick the checkpoint to resume (spec["resume"]) and make checkpoints/ hold this run.
+
+    What can refuse is decided first, reading only. Then the stage cleans up after interrupted
+    saves, moves a run of other params aside into checkpoints/previous/ (never deletes it,
+    unless train.keep_previous_runs is 0) or brings this run back from there, and writes
+    run.json."""
     root = CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
+    for name in ckpt.finish_moves(root):
+        log.info("finished moving run %s, left half moved by an interrupted train stage", name)
+    source, resume = _pick_resume(root, spec)
     for name in ckpt.remove_temp_tags(root):
         log.info("removed %s/%s, left by an interrupted checkpoint save", root, name)
     (root / ckpt.STOP_FILE).unlink(missing_ok=True)
-    resume = ckpt.resume_tag(root, spec["world"], zero_partitioned(spec), note=log.info)
-    if resume and _previous_fingerprint(root) != spec["fingerprint"]:
-        check_elastic_batch(root, spec)
-        check_layout(root, spec)
-        log.info("checkpoints/ holds a different run (params changed): starting fresh")
-        resume = None
+    if source != root:
+        _replace_run(root, spec, source)
     if resume:
-        check_optimizer(root, spec)
-        if ckpt.latest_tag(root) != resume:
-            ckpt.set_latest(root, resume)
-        saved = ckpt.saved_world(root, resume)
-        # ZeRO-0 saves the whole optimizer state in one file, which any world size loads.
-        if saved is not None and saved != spec["world"] and zero_partitioned(spec):
-            log.info(
-                "%s was saved by %d rank(s), this run has %d: converting it to a universal "
-                "checkpoint (deepspeed.checkpoint.ds_to_universal) to resume from",
-                resume,
-                saved,
-                spec["world"],
-            )
-            resume = ckpt.to_universal(root, resume)
-            spec["ds_config"] = {**spec["ds_config"], "checkpoint": {"load_universal": True}}
-    else:
-        ckpt.clear(root)
+        resume = _ready_to_resume(root, spec, resume)
     spec["resume"] = resume
     write_json(root / "ds_config.json", spec["ds_config"])
     write_json(root / "run.json", {k: v for k, v in spec.items() if k != "ds_config"})
+
+
+def _pick_resume(root: Path, spec: dict) -> tuple[Path | None, str | None]:
+    """(where this run's checkpoints are: `root`, a moved-aside run in previous/, or None to
+    start fresh; the tag to resume there). Reads only; refuses in one line."""
+    zero = zero_partitioned(spec)
+    resume = ckpt.resume_tag(root, spec["world"], zero, note=log.info)
+    if resume and _previous_fingerprint(root) == spec["fingerprint"]:
+        check_optimizer(root, spec)
+        return root, resume
+    if resume:
+        # This run in another batch split or memory layout: say how to resume it instead.
+        check_elastic_batch(root, spec)
+        check_layout(root, spec)
+    name = ckpt.kept_run(root, spec["fingerprint"])
+    kept = root / ckpt.PREVIOUS / name if name else None
+    resume = ckpt.resume_tag(kept, spec["world"], zero) if kept else None
+    if not resume:
+        return None, None
+    check_optimizer(kept, spec)
+    return kept, resume
+
+
+def keep_previous_runs(spec: dict) -> int:
+    """train.keep_previous_runs (1 for a spec written before it existed)."""
+    return spec.get("params", {}).get("train", {}).get("keep_previous_runs", 1)
+
+
+def _replace_run(root: Path, spec: dict, kept: Path | None) -> None:
+    """Make room for this run: the run in `root` goes to previous/ (train.keep_previous_runs: 0
+    deletes it), and `kept`, this run moved aside earlier, comes back."""
+    keep = keep_previous_runs(spec)
+    old = _previous_fingerprint(root) or "unknown"
+    try:
+        if keep == 0 and ckpt.tags(root):
+            log.info(
+                "deleting checkpoints/ of run %s (%s): train.keep_previous_runs is 0",
+                old,
+                ", ".join(ckpt.tags(root)),
+            )
+            ckpt.clear(root)
+        moved = ckpt.move_aside(root, old)
+        if kept is not None:
+            ckpt.bring_back(root, kept.name)
+    except OSError as e:
+        why = one_line(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
+        raise UsageError(
+            f"train: cannot move the run in checkpoints/ aside into checkpoints/{ckpt.PREVIOUS}/ "
+            f"({why}); move its step* folders out of "
+            "checkpoints/ yourself, or set train.keep_previous_runs: 0 to delete them and start "
+            "fresh"
+        ) from None
+    if moved:
+        log.info(
+            "checkpoints/ held another run (params changed): moved it to checkpoints/%s/; "
+            "to resume it, restore its params (the train stage moves it back), or move what "
+            "that folder holds back into checkpoints/",
+            moved,
+        )
+    else:
+        (root / "latest").unlink(missing_ok=True)  # naming no checkpoint of this run
+    if kept is not None:
+        log.info("checkpoints/%s/%s holds this run: moved it back", ckpt.PREVIOUS, kept.name)
+    for name in ckpt.drop_previous(root, keep):
+        log.info(
+            "removed checkpoints/%s/%s, the oldest moved-aside run (train.keep_previous_runs: %d)",
+            ckpt.PREVIOUS,
+            name,
+            keep,
+        )
+
+
+def _ready_to_resume(root: Path, spec: dict, resume: str) -> str:
+    """`latest` on the tag to resume; a tag saved by another world size converted to a
+    universal checkpoint (returns the tag to load)."""
+    if ckpt.latest_tag(root) != resume:
+        ckpt.set_latest(root, resume)
+    saved = ckpt.saved_world(root, resume)
+    # ZeRO-0 saves the whole optimizer state in one file, which any world size loads.
+    if saved is not None and saved != spec["world"] and zero_partitioned(spec):
+        log.info(
+            "%s was saved by %d rank(s), this run has %d: converting it to a universal "
+            "checkpoint (deepspeed.checkpoint.ds_to_universal) to resume from",
+            resume,
+            saved,
+            spec["world"],
+        )
+        resume = ckpt.to_universal(root, resume)
+        spec["ds_config"] = {**spec["ds_config"], "checkpoint": {"load_universal": True}}
+    return resume
 
 
 def check_elastic_batch(root: Path, spec: dict) -> None:
@@ -476,6 +555,7 @@ def _run_locked(spec: dict, nccl: dict, nodes: launch.Nodes, lock: ckpt.RunLock 
     """Launch this node's ranks and wait. The leader (node 0, holding `lock`) prepares
     checkpoints/ first and cleans up after; the other nodes leave checkpoints/ alone."""
     root = CHECKPOINTS
+    cmd = launch_command(spec, nodes)  # what can still refuse, before checkpoints/ changes
     if nodes.leader:
         prepare_run_dir(spec)
     _log_launch(spec, nodes)
@@ -489,7 +569,6 @@ def _run_locked(spec: dict, nccl: dict, nodes: launch.Nodes, lock: ckpt.RunLock 
     else:
         env[launch.FINGERPRINT_ENV] = spec["fingerprint"]
     try:
-        cmd = launch_command(spec, nodes)
         with child_output() as out:  # what the ranks print goes to the stage's log too
             if spec["device"] == "cpu":
                 cpuop.build(env, out)
