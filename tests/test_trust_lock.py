@@ -118,11 +118,17 @@ def test_a_second_shard_run_is_refused_naming_the_holder_and_keeps_its_temp(data
 def test_a_reader_and_a_writer_of_data_shards_exclude_each_other(project, monkeypatch):
     monkeypatch.chdir(project)
     params = _params(project)
-    with holding(project, "evaluate") as reader:  # reads data/shards (and models/final)
-        with pytest.raises(lock.Busy, match=rf"the evaluate stage \(PID {reader.pid}, {SINCE}\) "):
-            with lock.hold("shard", params):
-                pass
-        with lock.hold("plan", params):  # reads data/shards too: both may
+    with holding(project, "train") as trainer:  # a training reads data/shards and data/tokenizer
+        for stage, path in (("shard", "data/shards"), ("tokenizer", "data/tokenizer")):
+            with pytest.raises(
+                lock.Busy,
+                match=rf"^{path}: in use: the train stage \(PID {trainer.pid}, {SINCE}\) reads "
+                rf"it; the {stage} stage writes it: ",
+            ):
+                with lock.hold(stage, params):
+                    pass
+    with holding(project, "evaluate"):  # reads data/shards, as plan does: both may
+        with lock.hold("plan", params):
             pass
     with holding(project, "shard") as sharder:
         proc = dsflow("plan", cwd=project, check=False, timeout=120)
