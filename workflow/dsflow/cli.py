@@ -1,11 +1,14 @@
 """`python -m dsflow <stage>`: the one command each Snakemake rule and DVC stage runs.
 
-User mistakes (UsageError) become one line on stderr and exit code 2; bugs still raise.
+User mistakes (UsageError), a stage another one holds the paths of (dsflow.lock) and a write the
+disk refused (dsflow.errors.disk_error) become one line on stderr and in the stage's log, exit
+code 2; bugs still raise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -14,9 +17,11 @@ import traceback
 
 import yaml
 
+from dsflow import lock
 from dsflow import params as params_mod
-from dsflow.errors import UsageError
+from dsflow.errors import UsageError, disk_error
 from dsflow.launch import log_name
+from dsflow.paths import CHECKPOINTS, LOGS
 from dsflow.progress import log, logged_prints, setup_logging, to_log
 
 STAGES = {
@@ -66,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logged = False  # whether this stage's log is set up (it is not while params fail to load)
+    name = args.stage if args.stage in STAGES else None  # the stage's log, logs/<name>.log
+    logged = False  # whether that log is set up (not while params fail to load, nor when locked)
     try:
         if args.stage == "profile":
             _profile(args)
@@ -76,39 +82,63 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump(params, sort_keys=False), end="")
             return 0
         if args.stage == "train":  # several nodes may share logs/: one log per node
-            setup_logging(log_name(params["train"]))
-        else:
-            setup_logging(args.stage)
-        logged = True
+            name = log_name(params["train"])
         start = time.perf_counter()
-        module = importlib.import_module(STAGES[args.stage])
-        with logged_prints():
-            if args.stage in ("plan", "doctor", "export"):
-                module.run(params, args)
-            else:
-                module.run(params)
+        with lock.hold(args.stage, params):  # before the log: a holder's log is kept as it is
+            setup_logging(name)
+            logged = True
+            module = importlib.import_module(STAGES[args.stage])
+            with logged_prints():
+                if args.stage in ("plan", "doctor", "export"):
+                    module.run(params, args)
+                else:
+                    module.run(params)
         log.info("finished, wall_s=%.1f", time.perf_counter() - start)
+    except lock.Busy as e:
+        line = _run_lock_refusal(args.stage, e) or str(e)
+        return _fail(name, logged, f"dsflow {args.stage}: error: {line}", 2, fresh=False)
     except UsageError as e:
-        return _fail(
-            args.stage, logged, f"dsflow {args.stage}: error: {e}", getattr(e, "exit_code", 2)
-        )
+        return _fail(name, logged, f"dsflow {args.stage}: error: {e}", getattr(e, "exit_code", 2))
     except KeyboardInterrupt:
-        return _fail(args.stage, logged, f"dsflow {args.stage}: interrupted", 130)
-    except Exception:  # a bug: its traceback goes to the log too, then it raises as before
+        return _fail(name, logged, f"dsflow {args.stage}: interrupted", 130)
+    except Exception as e:  # a bug: its traceback goes to the log too, then it raises as before
+        if disk_error(e):  # not a bug: a write the disk refused (nothing half-written: atomic)
+            return _fail(name, logged, f"dsflow {args.stage}: error: {disk_error(e)}", 2)
         if logged:
             to_log(traceback.format_exc())
         raise
     return 0
 
 
-def _fail(stage: str, logged: bool, line: str, code: int) -> int:
+def _run_lock_refusal(stage: str, busy: lock.Busy) -> str | None:
+    """A second train run is refused by checkpoints/.lock, as it always was: that names the
+    holder's launcher too. None when the holder is not a train run that holds it yet."""
+    if stage != "train" or all(h["stage"] != "train" for h in busy.holders):
+        return None
+    from dsflow.train.checkpoint import LOCK_FILE, RunLock
+
+    if (CHECKPOINTS / LOCK_FILE).exists():
+        try:
+            RunLock(CHECKPOINTS).acquire().release()
+        except UsageError as held:
+            return str(held)
+    return None
+
+
+def _fail(name: str | None, logged: bool, line: str, code: int, fresh: bool = True) -> int:
     """Print a failed stage's one line, and put it in the stage's log (the one Snakemake points
-    the user to); the log is logs/<stage>.log when the params did not load."""
+    the user to). When the params did not load, logs/<stage>.log is set up (emptied) for it;
+    when the stage is locked out the line is appended: that log is the holder's too."""
     print(line, file=sys.stderr)
-    if stage in STAGES:
+    if name is None:
+        return code
+    with contextlib.suppress(OSError):  # a log on a full disk must not hide the line
+        if not logged and fresh:
+            setup_logging(name)
+            logged = True
         if not logged:
-            setup_logging(stage)
-        to_log(line)
+            LOGS.mkdir(exist_ok=True)
+        to_log(line, None if logged else LOGS / f"{name}.log")
     return code
 
 

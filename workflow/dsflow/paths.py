@@ -43,3 +43,26 @@ def shard_index(split: str) -> Path:
 def export_dir(tag: str) -> Path:
     """Where `dsflow export` writes a checkpoint's HF model unless --out says otherwise."""
     return Path(f"models/export-{tag}")
+
+
+# The project lock (dsflow.lock): one lock file per path below, and each holder's name.
+LOCKS = Path(".locks")
+
+# What each stage reads and writes, as dvc.yaml declares its data deps and outs
+# (tests/test_trust_lock.py checks they agree): the paths the project lock holds while it runs.
+# export reads a checkpoint's tag, complete once named, so it may run beside a training.
+STAGE_IO: dict[str, tuple[tuple[Path, ...], tuple[Path, ...]]] = {
+    "pretrained": ((), (PRETRAINED,)),
+    "download": ((), (RAW,)),
+    "tokenizer": ((RAW, PRETRAINED), (TOKENIZER,)),
+    "tokenize": ((RAW, TOKENIZER), (TOKENS,)),
+    "shard": ((TOKENS, TOKENIZER), (SHARDS,)),
+    "plan": ((SHARDS, PRETRAINED), (PLAN,)),
+    "train": ((SHARDS, TOKENIZER, PRETRAINED, PLAN), (FINAL, CHECKPOINTS, LIVE, TRAIN_METRICS)),
+    "evaluate": ((FINAL, SHARDS, RAW), (EVAL_METRICS, EVAL_DETAILS)),
+    "report": (
+        (TRAIN_METRICS, EVAL_METRICS, EVAL_DETAILS, PLAN),
+        (REPORT_HTML, REPORT_MD, FIGURES),
+    ),
+    "export": ((TOKENIZER,), ()),
+}

@@ -80,10 +80,10 @@ def log_file() -> Path | None:
     return None
 
 
-def to_log(text: str) -> None:
-    """Append `text` to the stage's log only: for what the stage already printed itself (its
-    one-line error, a traceback)."""
-    path = log_file()
+def to_log(text: str, path: Path | None = None) -> None:
+    """Append `text` to the stage's log only (or to `path`): for what the stage already printed
+    itself (its one-line error, a traceback)."""
+    path = path or log_file()
     if path is None:
         return
     for handler in log.handlers:
