@@ -77,7 +77,7 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu():
         ("cuda", 2, "bf16", False, True),
         ("cuda", 1, "bf16", False, True),
         ("cuda", 2, "fp32", False, True),
-        ("cuda", 2, "fp16", False, False),  # the loss-scaled path has no test of its own
+        ("cuda", 2, "fp16", False, True),  # loss-scaled: tests/test_fusedgrads.py
         ("cuda", 0, "bf16", False, False),  # DeepSpeed's ZeRO-1/2 optimizer only
         ("cuda", 3, "bf16", False, False),
         ("cuda", 2, "bf16", True, False),  # CPU offload keeps its own per-parameter norms
@@ -100,12 +100,11 @@ def test_fused_grad_checks_auto_is_on_where_it_fits_and_is_tested(
             fastpaths.resolve({"fused_grad_checks": True}, device, stage, precision, offload)
 
 
-def test_fp16_turns_the_fused_loss_off():
+def test_fp16_keeps_the_fused_loss():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
-    # fp16: the fused loss's gradients would underflow before loss scaling.
-    assert fastpaths.resolve(auto, "cuda", precision="fp16").ce_chunk == 0
-    with pytest.raises(UsageError, match="train.perf.ce_chunk"):
-        fastpaths.resolve({**auto, "ce_chunk": 4096}, "cuda", precision="fp16")
+    # fp16: the fused loss forms its gradients at the loss scale (the test below).
+    assert fastpaths.resolve(auto, "cuda", precision="fp16").ce_chunk == fastpaths.DEFAULT_CE_CHUNK
+    assert fastpaths.resolve({**auto, "ce_chunk": 4096}, "cuda", precision="fp16").ce_chunk == 4096
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -170,6 +169,42 @@ def test_fused_cross_entropy_takes_a_loss_scale_beyond_the_16_bit_range():
     targets = torch.randint(0, VOCAB, (64,))
     (linear_cross_entropy(hidden, weight, targets, 32) * 2.0**16).backward()
     assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+
+
+def test_fused_cross_entropy_in_fp16_forms_its_gradients_at_the_loss_scale():
+    """fp16 with DeepSpeed's loss scale (2^16): the fused loss told the scale gives the plain
+    path's gradients (full fp16 logits, the scaled loss backpropagated), both within fp16's
+    rounding of fp32's; formed at scale 1 instead, the small logit gradients (~1e-7 for 4096
+    tokens over 300 classes) fall below fp16's normal range and lose their digits."""
+    torch.manual_seed(0)
+    n, scale = 4096, 2.0**16
+    hidden32 = torch.randn(n, 16)
+    weight32 = 0.1 * torch.randn(VOCAB, 16)
+    targets = torch.randint(0, VOCAB, (n,))
+
+    def grads(loss_of, dtype):
+        hidden = hidden32.to(dtype).detach().requires_grad_()
+        weight = weight32.to(dtype).detach().requires_grad_()
+        loss = loss_of(hidden, weight)
+        (loss.float() * (scale if dtype == torch.float16 else 1.0)).backward()
+        unscale = scale if dtype == torch.float16 else 1.0
+        return hidden.grad.float() / unscale, weight.grad.float() / unscale
+
+    def plain(hidden, weight):
+        return F.cross_entropy((hidden @ weight.t()).float(), targets)
+
+    exact = grads(plain, torch.float32)
+
+    def errors(loss_of):
+        ours = grads(loss_of, torch.float16)
+        return [float((a - b).norm() / b.norm()) for a, b in zip(ours, exact, strict=True)], ours
+
+    plain_err, _ = errors(plain)
+    fused_err, _ = errors(lambda h, w: linear_cross_entropy(h, w, targets, 1024, scale=scale))
+    assert all(f < 1.5 * p and f < 1e-3 for f, p in zip(fused_err, plain_err, strict=True))
+    # Formed at scale 1: several times the error, and some hidden gradients flushed to zero.
+    unscaled_err, unscaled = errors(lambda h, w: linear_cross_entropy(h, w, targets, 1024))
+    assert unscaled_err[0] > 3 * fused_err[0] and (unscaled[0] == 0).any()
 
 
 def test_experts_auto_keeps_hfs_where_sorted_does_not_apply():

@@ -159,3 +159,41 @@ def test_fused_checks_dispatch_fewer_ops_per_step(tmp_path):
     plain, fused = r["deepspeed"]["ops"], r["fused-checks"]["ops"]
     assert fused["forward"] == plain["forward"] and fused["backward"] == plain["backward"]
     assert fused["step"] < 0.6 * plain["step"], (plain, fused)
+
+
+@pytest.mark.parametrize(
+    "case", ["finite", "near the fp16 maximum", "one inf", "one nan", "squares past fp16"]
+)
+def test_fp16_loss_scaled_gradients_get_deepspeeds_overflow_verdict_and_norms(case):
+    """fp16 with dynamic loss scaling (DeepSpeed's CPU accelerator has no fp16, so in-process on
+    one partition): gradients at the scale 2^16 brings, 16-bit, get DeepSpeed's own overflow
+    verdict from the fused check, and per-tensor norms within fp32 rounding of fp64 ones."""
+    from types import SimpleNamespace
+
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from dsflow.train import fusedgrads
+
+    torch.manual_seed(0)
+    grads = [(torch.randn(n) * 1e-3 * 2.0**16).half() for n in (37 * 53, 53, 29 * 11)]
+    if case == "near the fp16 maximum":
+        grads[0][5] = 65000.0
+    elif case == "one inf":
+        grads[1][3] = float("inf")
+    elif case == "one nan":
+        grads[2][0] = float("nan")
+    elif case == "squares past fp16":
+        grads[0][:100] = 300.0  # 300^2 is past fp16's range, far inside fp32's
+    opt = SimpleNamespace(
+        bit16_groups=[[None] * len(grads)],
+        averaged_gradients=[grads],
+        _has_inf_or_nan=DeepSpeedZeroOptimizer._has_inf_or_nan,
+        _dsflow_norms=fusedgrads._NormCache(),
+    )
+    theirs = bool(DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial(opt))
+    assert bool(fusedgrads._has_overflow(opt)) is theirs is (case in ("one inf", "one nan"))
+    if not theirs:
+        norms = torch.stack(fusedgrads._norms(grads)).double()
+        exact = torch.stack([g.double().norm() for g in grads])
+        torch.testing.assert_close(norms, exact, rtol=1e-6, atol=0)

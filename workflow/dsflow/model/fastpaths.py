@@ -14,11 +14,14 @@
   dtypes they run eagerly between the graphs: see sorted_experts_forward); HF's grouped_mm
   experts still end a graph at each expert GEMM there. On by default (ignored without compile).
 - `ce_chunk`: the lm_head + cross-entropy fused over token chunks (dsflow.model.loss), so the
-  [tokens x vocab] logits are never held in full. Not with fp16: its gradients are formed
-  before the dynamic loss scale, and small ones would underflow (bf16 has fp32's range).
+  [tokens x vocab] logits are never held in full. Its gradients are formed in the forward
+  pass; in fp16 at the dynamic loss scale the backward will bring (read from DeepSpeed's
+  optimizer before each forward), so small ones do not underflow.
 - `fused_grad_checks`: DeepSpeed's gradient overflow check and norm in a few multi-tensor
   launches instead of ~10 per tensor (dsflow.train.fusedgrads; ZeRO-1/2 without CPU offload).
-  `auto` turns it on for CUDA in bf16/fp32 where it fits (its gain: docs/performance.md). fp16 (dynamic loss scaling) is untested, so there it stays opt-in.
+  `auto` turns it on for CUDA where it fits (its gain: docs/performance.md), in fp16 too:
+  the loss-scaled gradients are 16-bit tensors whose fp32-accumulated norms are inf or NaN
+  exactly where DeepSpeed's check finds an overflow.
 - `experts: sorted`: the routed experts as two grouped GEMMs over the tokens sorted by expert,
   like HF's `grouped_mm`, but the token permutation's backward is made of gathers: HF writes
   it as indexing, whose backward is an accumulating scatter (sort-based on CUDA) for the
@@ -149,17 +152,9 @@ def resolve(
             )
         compile_ = False
     attention = pick("attention", "flash_padded", "sdpa")
+    # In fp16 the fused loss forms its gradients at the coming backward's loss scale
+    # (TrainingLM.loss_scale), so they underflow no more than the plain path's.
     ce_chunk = pick("ce_chunk", DEFAULT_CE_CHUNK, 0)
-    if precision == "fp16" and ce_chunk:
-        # The fused loss forms its gradients in the forward pass, before DeepSpeed's dynamic
-        # loss scale multiplies them: in fp16 small ones would underflow.
-        if perf.get("ce_chunk", "auto") != "auto":
-            raise UsageError(
-                f"train.perf.ce_chunk: {ce_chunk} (the fused cross-entropy) does not work with "
-                "train.precision: fp16 (its gradients would underflow before loss scaling); "
-                "set train.perf.ce_chunk: auto or 0, or use bf16"
-            )
-        ce_chunk = 0
     # With the router hooks traced, the sorted experts shorten the MoE step in bf16 and fp16
     # at ZeRO-0/1/2 (docs/performance.md). In fp32 they run eagerly between the compiled
     # graphs (sorted_experts_forward), unmeasured for speed, while HF's compiled fp32 experts
@@ -174,7 +169,7 @@ def resolve(
         ce_chunk=int(ce_chunk),
         prefetch=bool(perf.get("prefetch", True)),
         activation_checkpointing=bool(perf.get("activation_checkpointing", False)),
-        fused_grad_checks=fused_grad_checks(perf, zero_stage, optimizer_offload, cuda, precision),
+        fused_grad_checks=fused_grad_checks(perf, zero_stage, optimizer_offload, cuda),
         compile_mode=perf.get("compile_mode", "default"),
         experts=experts,
         experts_fallback=experts_auto and experts == "sorted",
@@ -246,16 +241,14 @@ def optimizer_choice(
     return value
 
 
-def fused_grad_checks(
-    perf: dict, zero_stage: int, optimizer_offload: bool, cuda: bool, precision: str
-) -> bool:
-    """On for CUDA where it fits and is tested (bf16/fp32); `true` insists, `false` never."""
+def fused_grad_checks(perf: dict, zero_stage: int, optimizer_offload: bool, cuda: bool) -> bool:
+    """On for CUDA where it fits (bf16, fp16 and fp32); `true` insists, `false` never."""
     value = perf.get("fused_grad_checks", "auto")
     # Only DeepSpeed's ZeRO-1/2 optimizer, on the device, has the per-tensor loops it replaces.
     fits = zero_stage in (1, 2) and not optimizer_offload
     if value == "auto":
-        # On CPU the per-tensor launches cost little; fp16's loss-scaled path has no test.
-        return fits and cuda and precision in ("bf16", "fp32")
+        # On CPU the per-tensor launches cost little.
+        return fits and cuda
     if value and not fits:
         where = "train.offload.optimizer" if optimizer_offload else f"train.zero_stage {zero_stage}"
         raise UsageError(

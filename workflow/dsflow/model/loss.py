@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -38,10 +39,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """mean(cross_entropy(hidden @ weight.T, targets)) chunk by chunk; the gradients are
     computed in the forward pass, one chunk of logits at a time (the approach of Liger
     Kernel's fused linear cross-entropy), so no logits are kept for the backward pass and none
-    are recomputed. Matmuls run in the inputs' dtype, the softmax in fp32, like `token_nll`."""
+    are recomputed. Matmuls run in the inputs' dtype, the softmax in fp32, like `token_nll`.
+
+    `scale`: the loss scale the backward will bring (fp16's dynamic loss scaling). The logits'
+    gradients are formed already multiplied by it, as the plain path's are, so in fp16 the
+    small ones stay above the underflow they would meet at scale 1; the backward divides it
+    out again in fp32 (an exact 1 when grad_output is the scale)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk):
+    def forward(ctx, hidden, weight, targets, chunk, scale):
         n = hidden.shape[0]
         # A frozen lm_head (LoRA) gets no gradient: neither its GEMM nor its fp32 buffer.
         needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -58,39 +64,45 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # d(sum of NLL)/d logits = softmax - one_hot(target), scaled to the mean
                 grad = torch.exp_(logits.sub_(lse[:, None]))
                 grad[torch.arange(len(t), device=t.device), t] -= 1.0
-                grad = grad.mul_(1.0 / n).to(hidden.dtype)
+                grad = grad.mul_(scale / n).to(hidden.dtype)
                 if needs_hidden:
                     grad_hidden[start : start + chunk] = grad @ weight
                 if needs_weight:
                     grad_weight += (grad.t() @ h).to(acc)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.scale = weight.dtype, scale
         return total / n
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
+        # In fp32, then cast: grad_output may be a loss scale beyond the 16-bit range.
+        factor = grad_output.to(torch.promote_types(grad_output.dtype, torch.float32)) / ctx.scale
         if grad_hidden is not None:
-            # Scale in fp32, then cast: grad_output may be a loss scale beyond the 16-bit range.
             acc = torch.promote_types(grad_hidden.dtype, torch.float32)
-            grad_hidden = (grad_hidden.to(acc) * grad_output.to(acc)).to(grad_hidden.dtype)
+            grad_hidden = (grad_hidden.to(acc) * factor.to(acc)).to(grad_hidden.dtype)
         if grad_weight is not None:
-            grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None
+            grad_weight = (grad_weight * factor.to(grad_weight.dtype)).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """Mean token NLL of `hidden @ weight.T` ([N, H] x [V, H]) against `targets` ([N]), equal
-    to `F.cross_entropy(logits.float(), targets)` without materialising all N x V logits."""
+    to `F.cross_entropy(logits.float(), targets)` without materialising all N x V logits.
+    `scale`: the loss scale its backward will get (fp16), formed into the gradients early."""
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     if not torch.is_grad_enabled():
         # The Function sees its inputs' requires_grad, not the grad mode: under no_grad it
         # would still form every gradient.
         hidden, weight = hidden.detach(), weight.detach()
-    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, float(scale))
 
 
 def _not_packed(position_ids):
@@ -124,6 +136,8 @@ class TrainingLM(torch.nn.Module):
     parameters, state_dict and checkpoints are the HF model's; `.hf` is the HF model itself
     (for validation, generation and `save_pretrained`). `ce_chunk` > 0 fuses the lm_head with
     the cross-entropy (`linear_cross_entropy`); 0 computes full logits, as `mean_loss` does.
+    `loss_scale`, where set (fp16), returns the loss scale of the coming backward: the fused
+    loss forms its gradients at that scale.
     """
 
     def __init__(self, hf, ce_chunk: int = 0):
@@ -131,6 +145,7 @@ class TrainingLM(torch.nn.Module):
         self.model = hf.model
         self.lm_head = hf.lm_head
         self.ce_chunk = int(ce_chunk)
+        self.loss_scale: Callable[[], float] | None = None
         object.__setattr__(self, "hf", hf)  # not a submodule: no second name for each weight
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, **kwargs):
@@ -144,8 +159,9 @@ class TrainingLM(torch.nn.Module):
                 return mean_loss(self.hf, inputs, targets)
         with unpacked_windows():
             hidden = self.model(input_ids=inputs, use_cache=False).last_hidden_state
+        scale = self.loss_scale() if self.loss_scale is not None else 1.0
         return linear_cross_entropy(
-            hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.ce_chunk
+            hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.ce_chunk, scale
         )
 
 

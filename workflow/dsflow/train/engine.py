@@ -98,6 +98,10 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
     engine, _, _, _ = deepspeed.initialize(
         model=trainee, model_parameters=trainable, optimizer=optimizer, config=spec.ds_config
     )
+    if engine.fp16_enabled():
+        # The fused loss forms its gradients at the scale of the coming backward (a float on
+        # the host: no sync).
+        trainee.loss_scale = lambda: float(engine.optimizer.loss_scale)
     if optimizer is not None and spec.world == 1:
         # ZeRO-0's all-reduce of one rank would only copy every gradient into buckets and back.
         engine.enable_backward_allreduce = False
