@@ -73,6 +73,7 @@ RESUMABLE_KEYS = {
     "master_port",
     "force",
     "max_bad_steps",
+    "collective_timeout_s",  # when a hang is declared, not what the ranks compute
     "perf",  # fast paths change speed, not the math (but train.perf.fp8: see fingerprint)
     # where the ranks run, not what they compute
     "nodes",
