@@ -144,6 +144,31 @@ def test_load_index_names_the_missing_or_mistyped_key(prepared, tmp_path):
         assert str(exc.value).endswith("rerun the shard stage")
 
 
+@pytest.mark.slow
+def test_evaluate_checks_the_exported_model_before_its_ranks_start(prepared, tmp_path):
+    from transformers import AutoTokenizer
+
+    repo = train_copy(prepared, tmp_path / "repo")
+    final = tiny_checkpoint(repo / "models/final")
+    AutoTokenizer.from_pretrained(repo / "data/tokenizer").save_pretrained(final)
+    weights = final / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 10)
+    proc = dsflow("evaluate", cwd=repo, check=False, timeout=TIMEOUT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"dsflow evaluate: error: models/final/model.safetensors: {size - 10} bytes, its header "
+        f"describes {size} (truncated); rerun the train stage"
+    )
+    assert "torch.distributed.run" not in proc.stderr and "Traceback" not in proc.stderr
+    (final / "tokenizer.json").unlink()
+    proc = dsflow("evaluate", cwd=repo, check=False, timeout=TIMEOUT)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "dsflow evaluate: error: models/final/tokenizer.json: missing; rerun the train stage"
+    )
+
+
 # --------------------------------------------------------------------------- rank faults
 
 
@@ -157,6 +182,15 @@ def rank_pids(repo: Path) -> dict[int, int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
             pass
     return pids
+
+
+def gone(pid: int) -> bool:
+    """Not running: no such process, or a zombie (its launcher, killed too, cannot reap it; a
+    container's init may not either)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def steps_logged(repo: Path) -> int:
@@ -237,7 +271,7 @@ def test_a_stopped_rank_is_named_and_the_job_stopped(slow_run, tmp_path):
     assert line.startswith(f"dsflow train: error: rank 1 (PID {pid}) made no progress for ")
     assert "(its process is stopped)" in line and f"train.collective_timeout_s: {HANG_S}" in line
     assert "stopped the job; rerun to resume from step0000000" in line
-    assert rank_pids(repo) == {} and not psutil.pid_exists(pid)
+    assert rank_pids(repo) == {} and gone(pid)
     # Rank 0 waited for it in a collective, which failed after the run's timeout (not after
     # the 30 min that start-up and checkpoint saves are given).
     log = (repo / "logs/train.log").read_text()
@@ -263,7 +297,7 @@ def test_one_sigterm_ends_a_job_with_a_stopped_rank(slow_run, tmp_path):
     line = stderr.strip().splitlines()[-1]
     assert line.startswith("dsflow train: error: interrupted by SIGTERM: "), line
     assert "rank 1" in line and "rerun to resume from step0000000" in line
-    assert rank_pids(repo) == {} and not psutil.pid_exists(pid)
+    assert rank_pids(repo) == {} and gone(pid)
 
 
 # --------------------------------------------------------------------------- the pieces
