@@ -621,7 +621,7 @@ class Watchdog:
 
 
 def stop_job(proc: subprocess.Popen, pids: list[int], module: str) -> None:
-    """Stop the launcher `proc` and its ranks (`pids`, which run in sessions of their own):
+    """Stop the launcher `proc` and its ranks (`pids`, in process groups of their own: setsid):
     SIGTERM to the launcher's process group, SIGKILL to it and every rank still there after
     STOP_GRACE_S. Checkpoints are atomic: the last complete one stays."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
