@@ -20,9 +20,17 @@ import torch.distributed as dist
 
 from dsflow import params as params_mod
 from dsflow.atomic import atomic_dir, atomic_file
-from dsflow.data.shards import ShardReader
+from dsflow.data.shards import ShardReader, load_index
 from dsflow.errors import UsageError
-from dsflow.launch import free_port, launch_env, set_rank_threads, torchrun_command
+from dsflow.launch import (
+    check_tensor_shapes,
+    check_tokenizer,
+    free_port,
+    launch_env,
+    safetensors_files,
+    set_rank_threads,
+    torchrun_command,
+)
 from dsflow.machine import resolve_device
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.loss import to_batch, token_nll
@@ -215,9 +223,30 @@ def write_results(params, model, tokenizer, scores, expert, exact, world, device
     )
 
 
+def check_inputs() -> None:
+    """What every rank reads, checked once before any starts (one line naming the file): the
+    exported model's tokenizer, its safetensors (headers whole, files as long as they say,
+    shapes as its config.json makes them) and the val shards (sizes and sha256)."""
+    from transformers import AutoConfig
+
+    fix = "rerun the train stage"
+    check_tokenizer(FINAL, fix)
+    try:
+        config = AutoConfig.from_pretrained(FINAL)
+    except Exception as exc:  # noqa: BLE001 - bad JSON, an unknown model_type, ...
+        detail = " ".join(str(exc).split())[:300]
+        raise UsageError(f"{FINAL}/config.json: does not load ({detail}); {fix}") from None
+    files = safetensors_files(FINAL)
+    if not files:
+        raise UsageError(f"{FINAL}: no *.safetensors weights; {fix}")
+    check_tensor_shapes(FINAL, files, config, fix)
+    load_index(SHARDS / "val")
+
+
 def run(params: dict) -> None:
     if not (FINAL / "config.json").exists():
         raise UsageError(f"{FINAL}: no exported model; run the train stage first")
+    check_inputs()
     device, world = resolve_device(params["train"])
     if world == 1:
         evaluate_rank(params, device)

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
+import math
+import mmap
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +38,11 @@ NODE_TASK_ENV = "DSFLOW_NODE_TASK"  # set on the per-node tasks dsflow starts wi
 PLAN_SOURCE_ENV = "DSFLOW_PLAN_SOURCE"  # this node wrote checkpoints/run.json
 FINGERPRINT_ENV = "DSFLOW_FINGERPRINT"  # this node's run spec, which node 0's must match
 THREADS_ENV = "DSFLOW_THREADS"  # each rank's intra-op and inter-op threads (launch_env)
+# train.collective_timeout_s, for the ranks (launch_env), which read it before the run spec.
+COLLECTIVE_TIMEOUT_ENV = "DSFLOW_COLLECTIVE_TIMEOUT_S"
+# The stage's folder where each rank leaves its heartbeat (rankR.beat) and, should it fail, its
+# exception (rankR.error: dsflow.train.health.report_exception).
+RANKS_DIR_ENV = "DSFLOW_RANKS_DIR"
 LOCALHOST = "127.0.0.1"
 JOIN_TIMEOUT_S = 1800  # how long a node's launcher waits for the others at the rendezvous
 # SLURM variables a nested srun may inherit (the rest describe the parent step, not the job).
@@ -333,12 +343,302 @@ def launch_env(spec: dict) -> dict:
     # 1), and a reduction split over other thread counts sums in another order: another model.
     threads = str(threads_per_rank(spec["params"]["train"], local))
     env.update({THREADS_ENV: threads, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+    timeout = spec["params"]["train"].get("collective_timeout_s")
+    if timeout is not None:
+        env[COLLECTIVE_TIMEOUT_ENV] = str(timeout)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Segments that grow in place instead of new blocks per size: ZeRO's buckets and gradient
     # accumulation at a small micro batch otherwise leave gigabytes reserved but unused (the
     # planner plans allocations; torchtitan sets the same). A user's own setting stays.
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return env
+
+
+# --------------------------------------------------------------------------- what the ranks read
+
+# Bytes per element of safetensors' dtypes (a dtype not listed is not size-checked).
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4}
+SAFETENSORS_BYTES |= {"U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+SAFETENSORS_BYTES |= {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+SAFETENSORS_MAX_HEADER = 100_000_000  # safetensors' own limit
+
+
+def check_tokenizer(folder: Path, fix: str) -> None:
+    """The tokenizer the ranks load (AutoTokenizer.from_pretrained(folder)) is there and loads;
+    else one line naming the folder or its missing tokenizer.json, and `fix`."""
+    if not (folder / "tokenizer.json").is_file():
+        raise UsageError(f"{folder}/tokenizer.json: missing; {fix}")
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001 - bad JSON, a missing vocabulary, ...
+        detail = " ".join(str(exc).split())[:300]
+        raise UsageError(
+            f"{folder}: the tokenizer does not load ({type(exc).__name__}: {detail}); {fix}"
+        ) from None
+
+
+def safetensors_header(path: Path, fix: str) -> dict[str, list[int]]:
+    """{tensor: shape} from a safetensors file's header (its first 8 + N bytes: no tensor is
+    read). One line naming the file when the header does not parse, a tensor's byte range does
+    not match its shape, or the file is not as long as the header says (truncated, e.g. an
+    interrupted download)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(size - 8, SAFETENSORS_MAX_HEADER):
+            raise UsageError(f"{path}: {size} bytes, too short for its header (truncated); {fix}")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        raise UsageError(f"{path}: its header is not a safetensors header (damaged); {fix}")
+    end, shapes = 0, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = (int(x) for x in entry["data_offsets"])
+            shape = [int(d) for d in entry["shape"]]
+            width = SAFETENSORS_BYTES.get(entry["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise UsageError(f"{path}: tensor {name}: malformed header entry; {fix}") from None
+        if width is not None and stop - start != width * math.prod(shape):
+            raise UsageError(
+                f"{path}: tensor {name}: {stop - start} bytes for shape {tuple(shape)} of "
+                f"{entry['dtype']} (damaged); {fix}"
+            )
+        end, shapes[name] = max(end, stop), shape
+    if size != 8 + length + end:
+        what = "truncated" if size < 8 + length + end else "trailing bytes"
+        raise UsageError(
+            f"{path}: {size} bytes, its header describes {8 + length + end} ({what}); {fix}"
+        )
+    return shapes
+
+
+def checkpoint_names(name: str, shape: tuple) -> dict[str, tuple]:
+    """The tensors (name -> shape) a checkpoint may hold for model tensor `name`: itself, and
+    for transformers 5's fused routed experts (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) the per-expert weights save_pretrained writes (experts.e.gate_proj.weight [I, H],
+    up_proj [I, H], down_proj [H, I])."""
+    names = {name: tuple(shape)}
+    base, _, last = name.rpartition(".")
+    if base.endswith(".experts") and len(shape) == 3:
+        experts, rows, cols = shape
+        if last == "gate_up_proj":
+            for e in range(experts):
+                for part in ("gate_proj", "up_proj"):
+                    names[f"{base}.{e}.{part}.weight"] = (rows // 2, cols)
+        elif last == "down_proj":
+            names |= {f"{base}.{e}.down_proj.weight": (rows, cols) for e in range(experts)}
+    return names
+
+
+def safetensors_files(folder: Path) -> list[str]:
+    """The safetensors files from_pretrained reads in `folder`: the index's shards, else
+    model.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise UsageError(f"{index}: not a safetensors index (damaged)") from None
+    return ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
+
+
+def check_tensor_shapes(folder: Path, files: list[str], config: Any, fix: str) -> None:
+    """Every tensor of the checkpoint in `folder` (safetensors `files`) that the model `config`
+    makes has the shape the model wants (the model built on the meta device: no memory, no
+    weight read); a checkpoint of the bare model (no `model.` prefix) counts too. A tensor the
+    checkpoint lacks is left to the load, which names it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    held: dict[str, tuple[str, list[int]]] = {}
+    for file in files:
+        for name, shape in safetensors_header(folder / file, fix).items():
+            held[name] = (file, shape)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config)
+    for key, tensor in net.state_dict().items():
+        for name, want in checkpoint_names(key, tuple(tensor.shape)).items():
+            found = held.get(name) or held.get(name.removeprefix("model."))
+            if found and tuple(found[1]) != want:
+                raise UsageError(
+                    f"{folder / found[0]}: tensor {name} has shape {tuple(found[1])}, but the "
+                    f"config.json beside it makes {want}; {fix}"
+                )
+
+
+# --------------------------------------------------------------------------- hung ranks
+
+# A rank's heartbeat: when it last moved, its PID, its step, how many of the loop's marks it
+# passed in that step (the same sequence on every rank), and whether the watchdog may judge it.
+BEAT = struct.Struct("<dqqqq")
+STOP_GRACE_S = 10  # after SIGTERM to a job the stage stops, how long before SIGKILL
+
+
+def collective_timeout_s(env: Mapping[str, str] = os.environ) -> float:
+    """In a rank: train.collective_timeout_s as its stage passed it (300 s when not told)."""
+    return float(env.get(COLLECTIVE_TIMEOUT_ENV) or 300)
+
+
+class Heartbeat:
+    """A rank's progress, for the stage's Watchdog: rankR.beat in $DSFLOW_RANKS_DIR, a few
+    bytes rewritten in place through mmap at every mark of the training loop (no system call).
+    Written from the rank's start (its PID is how the stage stops it), judged once `armed`
+    (after the run's first step: before that, start-up may keep ranks apart for long)."""
+
+    def __init__(self, path: Path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, BEAT.size)
+            self.map = mmap.mmap(fd, BEAT.size)
+        finally:
+            os.close(fd)
+        self.pid, self.step, self.marks, self.armed = os.getpid(), 0, 0, False
+        self.beat()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Heartbeat | None:
+        folder = env.get(RANKS_DIR_ENV)
+        if not folder or not Path(folder).is_dir():
+            return None
+        return cls(Path(folder) / f"rank{int(env.get('RANK', 0))}.beat")
+
+    def step_begins(self, step: int) -> None:
+        self.step, self.marks = step, 0
+        self.beat()
+
+    def arm(self) -> None:
+        self.armed = True
+        self.beat()
+
+    def beat(self) -> None:
+        self.marks += 1
+        BEAT.pack_into(self.map, 0, time.time(), self.pid, self.step, self.marks, self.armed)
+
+
+@dataclass(frozen=True)
+class RankBeat:
+    rank: int
+    time: float
+    pid: int
+    step: int
+    marks: int
+    armed: bool
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        return self.step, self.marks
+
+
+def read_beats(folder: Path) -> dict[int, RankBeat]:
+    """The ranks' last heartbeats in `folder` (a torn read, read twice and different, is
+    skipped: the next poll reads it)."""
+    beats = {}
+    for path in folder.glob("rank*.beat"):
+        try:
+            first, again = path.read_bytes(), path.read_bytes()
+            rank = int(path.stem.removeprefix("rank"))
+        except (OSError, ValueError):
+            continue
+        if first == again and len(first) == BEAT.size:
+            t, pid, step, marks, armed = BEAT.unpack(first)
+            beats[rank] = RankBeat(rank, t, pid, step, marks, bool(armed))
+    return beats
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of `pid` (T: stopped, R, S, D, Z), None when gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[0]
+
+
+def is_rank(pid: int, module: str) -> bool:
+    """Whether `pid` still runs `python -m module` (a PID the heartbeat named may be reused)."""
+    try:
+        return module in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+class Watchdog:
+    """The stage's view of its ranks' heartbeats (Heartbeat). A rank is hung when, in training
+    (some rank armed), it has not moved for `timeout_s` and either its peers got further (they
+    then wait for it in a collective) or its process is stopped (SIGSTOP, a debugger)."""
+
+    def __init__(self, folder: Path, timeout_s: float, module: str):
+        self.folder, self.timeout_s, self.module = folder, timeout_s, module
+
+    def pids(self) -> list[int]:
+        return [b.pid for b in read_beats(self.folder).values()]
+
+    def hung(self, now: float | None = None) -> str | None:
+        """One line naming the hung rank(s) and what the others did; None when none is."""
+        now = time.time() if now is None else now
+        beats = read_beats(self.folder)
+        if not any(b.armed for b in beats.values()):
+            return None
+        ahead = max(b.progress for b in beats.values())
+        stuck = [
+            b
+            for b in sorted(beats.values(), key=lambda b: b.rank)
+            if now - b.time > self.timeout_s
+            and (b.progress < ahead or process_state(b.pid) in ("T", "t"))
+        ]
+        if not stuck:
+            return None
+        b = stuck[0]
+        state = " (its process is stopped)" if process_state(b.pid) in ("T", "t") else ""
+        others = [o for o in beats.values() if o.rank != b.rank]
+        peers = f"; the other rank(s) reached step {max(o.step for o in others)}" if others else ""
+        more = f" (and rank(s) {', '.join(str(o.rank) for o in stuck[1:])})" if stuck[1:] else ""
+        return (
+            f"rank {b.rank} (PID {b.pid}){more} made no progress for {now - b.time:.0f} s in "
+            f"step {b.step}{state}{peers} (train.collective_timeout_s: {self.timeout_s:g})"
+        )
+
+    def unheeded(self, since: float, now: float | None = None) -> str | None:
+        """Once a stop was requested at `since`: one line when no rank has moved for
+        `timeout_s` since (the ranks cannot reach the step boundary to checkpoint)."""
+        now = time.time() if now is None else now
+        beats = read_beats(self.folder)
+        moved = max([since, *(b.time for b in beats.values())])
+        if now - moved <= self.timeout_s:
+            return None
+        last = min(beats.values(), key=lambda b: (b.progress, b.rank), default=None)
+        where = (
+            f" (rank {last.rank}, PID {last.pid}, last moved in step {last.step})" if last else ""
+        )
+        return (
+            f"the ranks did not reach a step boundary within {self.timeout_s:g} s of the stop "
+            f"request{where}"
+        )
+
+
+def stop_job(proc: subprocess.Popen, pids: list[int], module: str) -> None:
+    """Stop the launcher `proc` and its ranks (`pids`, in process groups of their own: setsid):
+    SIGTERM to the launcher's process group, SIGKILL to it and every rank still there after
+    STOP_GRACE_S. Checkpoints are atomic: the last complete one stays."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        if is_rank(pid, module):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    proc.wait()
 
 
 # --------------------------------------------------------------------------- running the launcher
@@ -373,6 +673,7 @@ class SignalForwarder:
         self.received: list[int] = []
         self.proc: subprocess.Popen | None = None
         self.previous: dict = {}
+        self.first_at: float | None = None  # when the first signal came
 
     def __enter__(self) -> SignalForwarder:
         for sig in self.SIGNALS:
@@ -385,6 +686,7 @@ class SignalForwarder:
 
     def handle(self, signum, frame) -> None:
         self.received.append(signum)
+        self.first_at = self.first_at or time.time()
         name = signal.Signals(signum).name
         if len(self.received) == 1:
             with contextlib.suppress(OSError):
@@ -412,13 +714,41 @@ def wait(proc: subprocess.Popen) -> int:
         raise
 
 
+POLL_S = 1.0  # how often the stage looks at its ranks' heartbeats
+
+
+def supervise(proc: subprocess.Popen, forwarder: SignalForwarder, watch: Watchdog) -> str | None:
+    """Wait for the launcher `proc`; stop the job when the watchdog finds a hung rank, or when
+    a stop request (the first signal) finds no rank moving for the timeout. None when the
+    launcher exited by itself, else why it was stopped (one line)."""
+    while True:
+        try:
+            proc.wait(timeout=POLL_S)
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        reason = watch.hung()
+        if reason is None and forwarder.first_at is not None:
+            reason = watch.unheeded(forwarder.first_at)
+        if reason:
+            stop_job(proc, watch.pids(), watch.module)
+            return reason
+
+
 def run_launcher(
-    cmd: list[str], env: dict, stop_file: Path, lock: Any = None, output: int | None = None
-) -> tuple[int, list]:
+    cmd: list[str],
+    env: dict,
+    stop_file: Path,
+    lock: Any = None,
+    output: int | None = None,
+    watch: Watchdog | None = None,
+) -> tuple[int, list, str | None]:
     """Start the launcher `cmd` and wait for it, forwarding SIGTERM / SIGINT (SignalForwarder);
-    (its exit code, the signals this process received). `lock` (checkpoints/.lock, held by node
-    0) is handed to the launcher, which holds it until its ranks are gone. `output`: where the
-    launcher and its ranks print (progress.child_output), else this process's stdout and stderr."""
+    (its exit code, the signals this process received, why this process stopped it: a hung rank
+    or an unheeded stop request, else None). `lock` (checkpoints/.lock, held by node 0) is
+    handed to the launcher, which holds it until its ranks are gone. `output`: where the
+    launcher and its ranks print (progress.child_output), else this process's stdout and stderr.
+    `watch`: the ranks' heartbeats (Watchdog); without it no hang is looked for."""
     with SignalForwarder(stop_file) as forwarder:
         # A new process group: a terminal's Ctrl-C reaches this process only, which turns it into
         # a checkpoint-and-stop request instead of the launcher's 30 s kill timer.
@@ -434,5 +764,15 @@ def run_launcher(
         forwarder.proc = proc
         if lock:
             lock.write_holder(f"{os.getpid()}, launcher {proc.pid}")
-        code = wait(proc)
-    return code, forwarder.received
+        stopped = None
+        if watch is None:
+            code = wait(proc)
+        else:
+            try:
+                stopped = supervise(proc, forwarder, watch)
+            except BaseException:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait()
+                raise
+            code = proc.returncode
+    return code, forwarder.received, stopped

@@ -39,6 +39,38 @@ def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
+# What the train and evaluate stages and their ranks read of a split's index.json: key -> type.
+INDEX_KEYS = {"dtype": str, "vocab_size": int, "shards": list}
+SHARD_KEYS = {"file": str, "tokens": int, "sha256": str}
+
+
+def check_index(index, path: Path) -> None:
+    """One line naming `path` and the first key index.json lacks or holds a wrong type in (a
+    hand-edited or foreign file), instead of a KeyError in every rank."""
+    fix = "rerun the shard stage"
+    if not isinstance(index, dict):
+        raise UsageError(f"{path}: not a JSON object; {fix}")
+    entries = [("", index, INDEX_KEYS)]
+    shards = index.get("shards")
+    if isinstance(shards, list):
+        entries += [(f"shards[{i}].", shard, SHARD_KEYS) for i, shard in enumerate(shards)]
+    for where, entry, keys in entries:
+        if not isinstance(entry, dict):
+            raise UsageError(f"{path}: {where.rstrip('.')} is not a JSON object; {fix}")
+        for key, kind in keys.items():
+            if key not in entry:
+                raise UsageError(f"{path}: key {where}{key} is missing; {fix}")
+            value = entry[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise UsageError(
+                    f"{path}: key {where}{key} is {value!r}, not a {kind.__name__}; {fix}"
+                )
+    try:
+        np.dtype(index["dtype"])
+    except TypeError:
+        raise UsageError(f"{path}: key dtype {index['dtype']!r} is no numpy dtype; {fix}") from None
+
+
 def load_index(split_dir: str | Path, verify: bool = True) -> dict:
     """index.json of a split; checks each shard's size, and its sha256 when `verify`."""
     split_dir = Path(split_dir)
@@ -49,8 +81,9 @@ def load_index(split_dir: str | Path, verify: bool = True) -> dict:
         )
     try:
         index = json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise UsageError(f"{path}: not valid JSON; rerun the shard stage") from None
+    check_index(index, path)
     itemsize = np.dtype(index["dtype"]).itemsize
     for shard in index["shards"]:
         file = split_dir / shard["file"]

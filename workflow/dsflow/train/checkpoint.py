@@ -74,6 +74,7 @@ RESUMABLE_KEYS = {
     "force",
     "max_bad_steps",
     "keep_previous_runs",
+    "collective_timeout_s",  # when a hang is declared, not what the ranks compute
     "perf",  # fast paths change speed, not the math (but train.perf.fp8: see fingerprint)
     # where the ranks run, not what they compute
     "nodes",

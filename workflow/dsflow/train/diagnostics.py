@@ -1,6 +1,7 @@
 """Diagnostics that cost nothing unless an environment variable turns them on: the step profiler
 (DSFLOW_PROFILE) and fault injection for the reliability tests (DSFLOW_FAULT_*). `Hooks` is what
-the training loop calls; with neither set every call returns at once."""
+the training loop calls; with neither set every call returns at once, but for the heartbeat the
+train stage's watchdog reads (dsflow.launch.Heartbeat: a few bytes written to memory)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsflow.launch import Heartbeat
 from dsflow.paths import PROFILE
 
 
@@ -200,7 +202,8 @@ class Faults:
     checkpoint of step s is saved: after every rank wrote the temporary tag, before the rename.
     DSFLOW_FAULT_ENOSPC=s makes rank r's checkpoint writes of step s fail as a full disk does
     (a partial file, then ENOSPC). DSFLOW_FAULT_NAN_FROM_STEP=s turns the loss NaN from step s
-    on. DSFLOW_FAULT_STEP_DELAY=t sleeps t seconds per step. DSFLOW_FAULT_MARK=path: the time
+    on. DSFLOW_FAULT_RAISE=s makes rank r raise a RuntimeError right after step s, as a bug would.
+    DSFLOW_FAULT_STEP_DELAY=t sleeps t seconds per step. DSFLOW_FAULT_MARK=path: the time
     of a kill is written there first. DSFLOW_DATA_TRACE=path: every rank appends, per training
     micro-batch, the step and the sha1 of each window it read to path.rankR (the elastic-resume
     test checks a resumed run reads what an uninterrupted one reads).
@@ -214,6 +217,7 @@ class Faults:
         self.save_step = _env_int("DSFLOW_FAULT_SAVE")
         self.enospc_step = _env_int("DSFLOW_FAULT_ENOSPC")
         self.nan_from = _env_int("DSFLOW_FAULT_NAN_FROM_STEP")
+        self.raise_step = _env_int("DSFLOW_FAULT_RAISE")
         self.delay = float(os.environ.get("DSFLOW_FAULT_STEP_DELAY") or 0)
         self.mark = os.environ.get("DSFLOW_FAULT_MARK")
         self.data_trace = os.environ.get("DSFLOW_DATA_TRACE")
@@ -238,6 +242,8 @@ class Faults:
     def after_step(self, step: int) -> None:
         if self.point == "step" and self._here(step, self.kill_step):
             self._kill(f"after step {step}")
+        if self._here(step, self.raise_step):
+            raise RuntimeError(f"injected fault: rank {self.rank} raised after step {step}")
 
     def in_save(self, step: int) -> None:
         if self._here(step, self.save_step):
@@ -278,15 +284,27 @@ class Faults:
 class Hooks:
     """The profiler's and the fault injector's calls around a step, in one place."""
 
-    def __init__(self, rank: int, device_type: str):
+    def __init__(self, rank: int, device_type: str, heartbeat: Heartbeat | None = None):
         self.profiler = StepProfiler.from_env(rank, device_type)
         self.faults = Faults(rank)
+        self.heartbeat = heartbeat
 
     def step_begins(self, step: int) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.step_begins(step)
         self.profiler.step_begins(step)
         self.faults.step_begins()
 
+    def arm(self) -> None:
+        """Training is under way: the stage's watchdog may judge this rank from now on."""
+        if self.heartbeat is not None:
+            self.heartbeat.arm()
+
     def mark(self, phase: str | None) -> None:
+        """The step enters `phase` (every rank passes the same marks in the same order, so the
+        heartbeat's count of them says which rank is behind)."""
+        if self.heartbeat is not None:
+            self.heartbeat.beat()
         self.profiler.mark(phase)
 
     def step_ends(self, step: int, aside) -> None:

@@ -5,15 +5,26 @@ messages (docs/reliability.md)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
+import re
 import signal
 import statistics
 import sys
+import time
+import traceback
 from collections import deque
+from pathlib import Path
+
+from dsflow.launch import RANKS_DIR_ENV
 
 EXIT_FATAL = 3  # a one-line reason is in DSFLOW_STATUS_FILE (the train stage prints it)
 EXIT_STOPPED = 143  # stopped on request (SIGTERM / SIGINT / checkpoints/.stop), checkpoint saved
+EXIT_RAISED = 1  # an exception, recorded for the train stage (report_exception)
+# What a rank raises when a peer is gone or never came (gloo's RuntimeError names itself; NCCL
+# raises torch.distributed.DistError): a consequence, not the cause.
+PEER_LOST = re.compile(r"gloo|NCCL|Connection (reset|closed) by peer|Timed out waiting")
 
 # Grad-norm spike: a step's norm above SPIKE_FACTOR x the median of the last SPIKE_WINDOW norms
 # (once SPIKE_MIN_HISTORY are known) is logged as train/grad_norm_spike (the ratio).
@@ -47,6 +58,48 @@ def report_fatal(message: str) -> None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             with os.fdopen(fd, "w") as f:
                 f.write(message.replace("\n", " ") + "\n")
+
+
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether `exc` is a collective failing because another rank died or hung."""
+    dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return bool(PEER_LOST.search(str(exc)))
+
+
+def report_exception(exc: BaseException) -> bool:
+    """In a rank started by the train stage: record `exc` as rankR.error in $DSFLOW_RANKS_DIR
+    (rank, PID, time, type, message, traceback, whether a peer was lost) for the stage, which
+    prints one line for the run and puts the tracebacks in its log. False when there is no stage
+    to tell (run by hand: the caller lets the traceback show)."""
+    folder = os.environ.get(RANKS_DIR_ENV)
+    if not folder or not Path(folder).is_dir():
+        return False
+    rank = int(os.environ.get("RANK", 0))
+    record = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": " ".join(str(exc).split()),
+        "peer_lost": lost_a_peer(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+    path = Path(folder) / f"rank{rank}.error"
+    with contextlib.suppress(OSError):
+        path.with_suffix(".tmp").write_text(json.dumps(record))
+        path.with_suffix(".tmp").replace(path)
+    return True
+
+
+def rank_errors(folder: Path) -> list[dict]:
+    """The exceptions report_exception recorded in `folder`, first raised first."""
+    errors = []
+    for path in folder.glob("rank*.error"):
+        with contextlib.suppress(OSError, ValueError):
+            errors.append(json.loads(path.read_text()))
+    return sorted(errors, key=lambda e: (e.get("time", 0), e.get("rank", 0)))
 
 
 class StepHealth:

@@ -9,6 +9,7 @@ checkpoints when due, and at the end models/final and metrics/train.json.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 import time
@@ -24,12 +25,25 @@ from dsflow.paths import FINAL, SHARDS, TOKENIZER
 from dsflow.train import checkpoint as ckpt
 from dsflow.train import engine
 from dsflow.train.diagnostics import Hooks
-from dsflow.train.health import EXIT_FATAL, EXIT_STOPPED, StepHealth, Stop, report_fatal
+from dsflow.train.health import (
+    EXIT_FATAL,
+    EXIT_RAISED,
+    EXIT_STOPPED,
+    StepHealth,
+    Stop,
+    report_exception,
+    report_fatal,
+)
 from dsflow.train.metrics import Meter, write_metrics
 from dsflow.train.runspec import RunSpec
 
+# Start-up, checkpoint saves and the final export may keep the ranks apart for long (one rank
+# loads or writes what the others do not): there a collective waits this long for its peers.
+PATIENT_TIMEOUT_S = 1800
+
 
 def main() -> int:
+    heartbeat = launch.Heartbeat.from_env()  # first: the stage learns this rank's PID
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = RunSpec.shared(device)
@@ -37,7 +51,8 @@ def main() -> int:
         return EXIT_FATAL
     assert world == spec.world, f"launched {world} ranks, the run spec says {spec.world}"
     Stop.install()
-    hooks = Hooks(rank, device.type)
+    hooks = Hooks(rank, device.type, heartbeat)
+    timeout = launch.collective_timeout_s()
     run = engine.build(spec, rank, device)
     start, health_state = ckpt.resume(run, spec)
     health = StepHealth(spec.max_bad_steps, health_state)
@@ -63,16 +78,20 @@ def main() -> int:
         if fatal:
             return leave(meter, loader, hooks, fatal_line(fatal, last_good), fatal=True)
         hooks.step_ends(step, meter.clock.aside)
+        if step == start + 1:  # the ranks have met in a step: from now on a hang is a fault
+            collective_timeout(timeout)
+            hooks.arm()
         # No periodic checkpoint during a run of bad steps: the last good one stays the newest.
         periodic = spec.checkpoint_due(step) and health.streak == 0
         if periodic or step == spec.steps or stop:
-            with meter.clock.aside():
+            with meter.clock.aside(), patient_collectives(timeout):
                 last_good = ckpt.save(run, spec, step, health.state(), hooks.faults, last_good)
             last_saved = step
         if stop and step < spec.steps:
             line = f"stopped on request after step {step}; checkpoint {last_good} saved"
             return leave(meter, loader, hooks, line, fatal=False)
     loader.close()
+    collective_timeout(max(PATIENT_TIMEOUT_S, timeout))  # the last save and the export
     if last_saved != spec.steps and start < spec.steps:
         ckpt.save(run, spec, spec.steps, health.state(), hooks.faults, last_good)
     return finish_run(run, spec, meter, time.perf_counter() - wall0)
@@ -115,12 +134,35 @@ def init_distributed() -> torch.device:
     device_type = os.environ.get("DSFLOW_DEVICE") or (
         "cuda" if torch.cuda.is_available() else "cpu"
     )
-    deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo")
+    deepspeed.init_distributed(
+        dist_backend="nccl" if device_type == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=max(PATIENT_TIMEOUT_S, launch.collective_timeout_s())),
+    )
     if device_type != "cuda":
         return torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def collective_timeout(seconds: float) -> None:
+    """From now on a collective of any process group (DeepSpeed makes its own) fails after
+    `seconds` without its peers, instead of waiting for a hung rank forever."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        with contextlib.suppress(ValueError, AssertionError, RuntimeError):
+            c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+@contextlib.contextmanager
+def patient_collectives(timeout: float):
+    """A checkpoint save: rank 0 writes the model's states the others do not."""
+    collective_timeout(max(PATIENT_TIMEOUT_S, timeout))
+    try:
+        yield
+    finally:
+        collective_timeout(timeout)
 
 
 def batches(run: engine.Run, spec: RunSpec, reader: ShardReader, start: int) -> BatchLoader:
@@ -236,5 +278,19 @@ def shutdown(code: int) -> int:
     return code
 
 
+def run_rank() -> int:
+    """main(); an exception is recorded for the train stage (health.report_exception), which
+    prints one line for the run, and the rank leaves at once (os._exit: no teardown that could
+    wait on a broken process group). Run by hand, the traceback shows as usual."""
+    try:
+        return shutdown(main())
+    except Exception as exc:
+        if not report_exception(exc):
+            raise
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_RAISED)
+
+
 if __name__ == "__main__":
-    sys.exit(shutdown(main()))
+    sys.exit(run_rank())

@@ -39,11 +39,12 @@ from dsflow.errors import UsageError
 from dsflow.model import fastpaths, float8, lora, presets, source
 from dsflow.model.build import check_vocab_fits, load_checkpoint_config
 from dsflow.params import one_line
-from dsflow.paths import CHECKPOINTS, SHARDS
+from dsflow.paths import CHECKPOINTS, SHARDS, TOKENIZER
 from dsflow.plan import layouts, memory, request
-from dsflow.progress import child_output, log, whole_lines
+from dsflow.progress import child_output, log, to_log, whole_lines
 from dsflow.train import checkpoint as ckpt
 from dsflow.train import cpuop
+from dsflow.train.health import rank_errors
 
 # What each rank runs (torchrun -m / the DeepSpeed launcher --module).
 RANK_MODULE = "dsflow.train.loop"
@@ -473,6 +474,21 @@ def preflight(params: dict, spec: dict, memory_plan: dict | None = None) -> dict
     return machine.nccl_env(facts) if spec["device"] == "cuda" else {}
 
 
+def check_rank_inputs(spec: dict) -> None:
+    """What every rank reads besides the shards (checked in resolve_run), checked before launch,
+    so that a missing or damaged file is one line naming it now rather than a traceback from
+    every rank, at the end of the run for the tokenizer: data/tokenizer (models/final gets it),
+    and model.pretrained's safetensors (headers whole, the file as long as they say, tensors of
+    the shapes its config.json makes; no weight is read)."""
+    launch.check_tokenizer(TOKENIZER, "rerun the tokenizer stage (python -m dsflow tokenizer)")
+    folder = source.folder(spec["params"]["model"])
+    if folder is None:
+        return
+    fix = "download the checkpoint again (or save it again)"
+    config = load_checkpoint_config(str(folder))
+    launch.check_tensor_shapes(folder, source.weight_files(str(folder), folder), config, fix)
+
+
 def run(params: dict) -> None:
     device, local_ranks = machine.resolve_device(params["train"])
     auto = params["train"]["zero_stage"] == "auto"
@@ -493,6 +509,7 @@ def run(params: dict) -> None:
         _run_on_slurm_nodes(params, spec)
         return
     nodes = launch.resolve_nodes(params["train"], spec["local_ranks"])
+    check_rank_inputs(spec)
     nccl = preflight(params, spec, memory_plan)
     spec["planned_reserved_bytes"] = planned_reserved_bytes(memory_plan, spec["device"])
     for key, value in nccl.items():
@@ -562,6 +579,9 @@ def _run_locked(spec: dict, nccl: dict, nodes: launch.Nodes, lock: ckpt.RunLock 
     status_dir = Path(tempfile.mkdtemp(prefix="dsflow-train-"))
     status_file = status_dir / "status"
     env = {**launch.launch_env(spec), **nccl, "DSFLOW_STATUS_FILE": str(status_file)}
+    # Each rank's heartbeat and, should it fail, its exception (dsflow.launch.Watchdog).
+    env[launch.RANKS_DIR_ENV] = str(status_dir)
+    watch = launch.Watchdog(status_dir, launch.collective_timeout_s(env), RANK_MODULE)
     # Node 0's ranks hand run.json to every rank; the others check it against their own spec
     # (dsflow.train.runspec).
     if nodes.leader:
@@ -573,8 +593,11 @@ def _run_locked(spec: dict, nccl: dict, nodes: launch.Nodes, lock: ckpt.RunLock 
             if spec["device"] == "cpu":
                 cpuop.build(env, out)
             ranks_env = whole_lines(env)
-            code, received = launch.run_launcher(cmd, ranks_env, root / ckpt.STOP_FILE, lock, out)
+            code, received, stopped = launch.run_launcher(
+                cmd, ranks_env, root / ckpt.STOP_FILE, lock, out, watch
+            )
         status = status_file.read_text().strip() if status_file.exists() else ""
+        errors, beats = rank_errors(status_dir), launch.read_beats(status_dir)
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
         if nodes.leader:
@@ -582,15 +605,59 @@ def _run_locked(spec: dict, nccl: dict, nodes: launch.Nodes, lock: ckpt.RunLock 
             # Every rank is gone: what an interrupted save left behind only takes space.
             for name in ckpt.remove_temp_tags(root):
                 log.info("removed %s/%s, left by an interrupted checkpoint save", root, name)
-    if status:  # a rank's one-line reason (the ranks may even have exited cleanly)
+    for error in errors:  # the terminal gets one line (below), the log every traceback
+        to_log(f"rank {error['rank']} (PID {error['pid']}): {error['traceback']}")
+    if status and not stopped:  # a rank's one-line reason (the ranks may have exited cleanly)
         raise UsageError(status.splitlines()[0])
-    _explain_exit(spec, nodes, code, received)
+    _explain_exit(spec, nodes, code, received, stopped, rank_failure(errors, beats))
 
 
-def _explain_exit(spec: dict, nodes: launch.Nodes, code: int, received: list[int]) -> None:
-    """Return when the run finished; else raise one line: what stopped it, and how to go on."""
+def rank_failure(errors: list[dict], beats: dict) -> str | None:
+    """The ranks' failure in one line: the first exception that is not a lost peer; else the
+    rank(s) that died without one (a signal: the OOM killer, a crash) while their peers lost
+    them; else the first exception. None when no rank raised."""
+    if not errors:
+        return None
+    first = next((e for e in errors if not e["peer_lost"]), None)
+    if first is not None and first["type"] == "UsageError":  # already one line for people
+        return f"rank {first['rank']}: {first['message'][:400]}"
+    if first is not None:
+        return f"rank {first['rank']} raised {first['type']}: {first['message'][:400]}"
+    raised = {e["rank"] for e in errors}
+    silent = [b for rank, b in sorted(beats.items()) if rank not in raised]
+    lost = f"rank {errors[0]['rank']}: {errors[0]['type']}: {errors[0]['message'][:200]}"
+    if not silent:
+        return lost
+    who = ", ".join(f"rank {b.rank} (PID {b.pid})" for b in silent)
+    return (
+        f"{who} ended without a Python exception (killed by a signal: the OOM killer, a crash "
+        f"or a kill) and the others lost it ({lost})"
+    )
+
+
+def _explain_exit(
+    spec: dict,
+    nodes: launch.Nodes,
+    code: int,
+    received: list[int],
+    stopped: str | None = None,
+    failure: str | None = None,
+) -> None:
+    """Return when the run finished; else raise one line: what stopped it, and how to go on.
+    `stopped`: why this stage stopped the launcher (a hung rank, an unheeded stop request);
+    `failure`: the ranks' failure (rank_failure)."""
     root = CHECKPOINTS
     last = ckpt.resume_tag(root, spec["world"], zero_partitioned(spec))
+    resume = (
+        f"rerun to resume from {last}" if last else "no checkpoint was saved: rerun to start over"
+    )
+    if stopped and received:
+        name = signal.Signals(received[0]).name
+        raise Interrupted(
+            f"interrupted by {name}: {stopped}: stopped the job; {resume}", 128 + received[0]
+        )
+    if stopped:
+        raise UsageError(f"{stopped}: stopped the job; {resume}")
     finished = code == 0 and last and ckpt.step_of(last) >= spec["steps"]
     # A clean exit before the last step: the ranks were asked to stop (checkpoints/.stop), by
     # this stage's signal handler or, with several nodes, by another node's.
@@ -609,7 +676,6 @@ def _explain_exit(spec: dict, nodes: launch.Nodes, code: int, received: list[int
         raise Interrupted(f"interrupted by {name}: {what}", 128 + received[0])
     if code == 0:
         return
-    resume = (
-        f"rerun to resume from {last}" if last else "no checkpoint was saved: rerun to start over"
-    )
+    if failure:
+        raise UsageError(f"training failed: {failure}; {resume}")
     raise UsageError(f"training failed (launcher exit {code}); see the rank output above; {resume}")
