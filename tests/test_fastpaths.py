@@ -543,3 +543,33 @@ def test_the_training_forward_reads_nothing_back_from_the_device(ce_chunk):
     assert reads == []
     expected = mean_loss(model, inputs, targets)
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_compile_watch_counts_graph_breaks_and_the_recompiles_after_the_first_step():
+    """The train stage's torch.compile line: nothing while nothing broke; a graph break is
+    reported once; after the mark, a new input shape's compilation counts as a recompile,
+    a call that hits the cache does not."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    watch = fastpaths.CompileWatch()
+    smooth = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=False)
+    smooth(torch.randn(3))
+    assert watch.news() is None and watch.counts() == (0, 0)
+
+    def broken(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y.sum()
+
+    torch.compile(broken, backend="eager", dynamic=False)(torch.randn(3))
+    line = watch.news()
+    assert line.startswith("torch.compile: 1 graph break(s) in 1 place(s), 0 recompile(s)"), line
+    assert watch.news() is None  # said once
+    watch.mark()
+    smooth(torch.randn(3))  # cached
+    assert watch.counts() == (1, 0)
+    smooth(torch.randn(5))  # a guard fails on the new shape
+    assert watch.counts() == (1, 1)
+    assert "1 recompile(s) after the first step" in watch.news()

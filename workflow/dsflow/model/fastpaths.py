@@ -315,6 +315,53 @@ def compile_layers(model: Any, mode: str = "default") -> None:
     model.model.norm.compile(dynamic=False, mode=mode)
 
 
+class CompileWatch:
+    """What torch.compile did in this process, for the train stage's log: dynamo's graph breaks
+    (its own counter) and the compilations it started after `mark()`. The train loop marks
+    after the first step, when every graph of the run exists (validation runs eagerly), so a
+    later compilation is a recompile: a guard failed, and the step ran slower while it built."""
+
+    def __init__(self):
+        from torch._dynamo import callback
+
+        self.compiles = 0
+        self.marked: int | None = None
+        self.reported: tuple[int, int] = (0, 0)
+        callback.callback_handler.register_start_callback(self._started)
+
+    def _started(self, args: Any) -> None:
+        from torch._dynamo.callback import CallbackTrigger
+
+        # A lazily compiled backward or a CUDA graph recording is no new graph.
+        if args.callback_trigger == CallbackTrigger.DYNAMO:
+            self.compiles += 1
+
+    def mark(self) -> None:
+        self.marked = self.compiles
+
+    def counts(self) -> tuple[int, int]:
+        """(graph breaks, recompiles after the mark)."""
+        from torch._dynamo.utils import counters
+
+        breaks = sum(counters["graph_break"].values())
+        return breaks, 0 if self.marked is None else self.compiles - self.marked
+
+    def news(self) -> str | None:
+        """One line on graph breaks and recompiles not reported yet; None when there are none."""
+        from torch._dynamo.utils import counters
+
+        breaks, recompiles = self.counts()
+        if (breaks, recompiles) == self.reported or (breaks, recompiles) == (0, 0):
+            return None
+        self.reported = (breaks, recompiles)
+        reasons = counters["graph_break"].most_common(1)
+        top = f"; most often: {reasons[0][0].splitlines()[0][:160]}" if reasons else ""
+        return (
+            f"torch.compile: {breaks} graph break(s) in {len(counters['graph_break'])} "
+            f"place(s), {recompiles} recompile(s) after the first step{top}"
+        )
+
+
 class _Dispatch(torch.autograd.Function):
     """x[order // k]: each token's row once per expert it goes to, the experts in order.
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from dsflow import dsconfig, launch
 from dsflow.data.shards import BatchLoader, ShardReader
+from dsflow.model import fastpaths
 from dsflow.model.build import save_hf
 from dsflow.model.presets import param_counts
 from dsflow.paths import FINAL, SHARDS, TOKENIZER
@@ -54,6 +55,7 @@ def main() -> int:
     hooks = Hooks(rank, device.type, heartbeat)
     timeout = launch.collective_timeout_s()
     run = engine.build(spec, rank, device)
+    compiled = fastpaths.CompileWatch() if run.perf.compile and rank == 0 else None
     start, health_state = ckpt.resume(run, spec)
     health = StepHealth(spec.max_bad_steps, health_state)
     # The train stage verified every shard's sha256 just before launch.
@@ -81,6 +83,7 @@ def main() -> int:
         if step == start + 1:  # the ranks have met in a step: from now on a hang is a fault
             collective_timeout(timeout)
             hooks.arm()
+            report_compiles(compiled, mark=True)
         # No periodic checkpoint during a run of bad steps: the last good one stays the newest.
         periodic = spec.checkpoint_due(step) and health.streak == 0
         if periodic or step == spec.steps or stop:
@@ -91,10 +94,22 @@ def main() -> int:
             line = f"stopped on request after step {step}; checkpoint {last_good} saved"
             return leave(meter, loader, hooks, line, fatal=False)
     loader.close()
+    report_compiles(compiled)
     collective_timeout(max(PATIENT_TIMEOUT_S, timeout))  # the last save and the export
     if last_saved != spec.steps and start < spec.steps:
         ckpt.save(run, spec, spec.steps, health.state(), hooks.faults, last_good)
     return finish_run(run, spec, meter, time.perf_counter() - wall0)
+
+
+def report_compiles(watch: fastpaths.CompileWatch | None, mark: bool = False) -> None:
+    """Rank 0 logs torch.compile's graph breaks and recompiles when there are any new ones;
+    `mark`: after the first step, from which on a compilation is a recompile."""
+    if watch is None:
+        return
+    if mark:
+        watch.mark()
+    if line := watch.news():
+        print(f"[dsflow train] {line}", file=sys.stderr)
 
 
 def train_step(run: engine.Run, loader: BatchLoader, step: int, hooks: Hooks):
