@@ -100,10 +100,11 @@ def test_fused_grad_checks_auto_is_on_where_it_fits_and_is_tested(
             fastpaths.resolve({"fused_grad_checks": True}, device, stage, precision, offload)
 
 
-def test_fp16_keeps_the_fused_loss():
+def test_fp16_takes_the_fused_loss_when_asked():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
-    # fp16: the fused loss forms its gradients at the loss scale (the test below).
-    assert fastpaths.resolve(auto, "cuda", precision="fp16").ce_chunk == fastpaths.DEFAULT_CE_CHUNK
+    # fp16: auto keeps full logits (as the planner counts them); a chunk size turns the fused
+    # loss on, which forms its gradients at the loss scale (the test below).
+    assert fastpaths.resolve(auto, "cuda", precision="fp16").ce_chunk == 0
     assert fastpaths.resolve({**auto, "ce_chunk": 4096}, "cuda", precision="fp16").ce_chunk == 4096
 
 
