@@ -321,8 +321,9 @@ def history_from_live(root: Path = LIVE) -> list[dict]:
         header = lines[0].split("\t")
         for row in lines[1:]:
             cells = dict(zip(header, row.split("\t"), strict=False))
-            step = int(cells["step"])
-            steps.setdefault(step, {"step": step})[name] = float(cells[name.split("/")[-1]])
+            with contextlib.suppress(KeyError, ValueError):  # a row cut short by a kill
+                value, step = float(cells[name.split("/")[-1]]), int(cells["step"])
+                steps.setdefault(step, {"step": step})[name] = value
     return [steps[k] for k in sorted(steps)]
 
 
