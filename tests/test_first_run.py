@@ -270,3 +270,49 @@ def test_a_failed_download_leaves_the_previous_data(project, tmp_path):
     assert proc.returncode == 2 and "not valid UTF-8" in proc.stderr.strip().splitlines()[-1]
     assert {p.name: p.read_bytes() for p in raw.iterdir()} == good
     assert not list(raw.parent.glob(".raw.tmp-*"))
+
+
+# --------------------------------------------------------------------------- both front-ends
+
+
+@pytest.mark.slow
+def test_snakemake_then_dvc_then_the_readmes_commit_and_diff(tmp_path):
+    """The README's order in a clone: Snakemake trains, `dvc repro` (no dvc.lock yet) runs the
+    stages again and finds the run finished, the README's `git add` commits it, a second run
+    is committed the same way and `dvc metrics diff` compares two real runs; Snakemake's
+    folder markers never make `dvc status` see a change."""
+    origin = conftest.copy_project(tmp_path / "origin")
+    update_params(origin, conftest.SMALL_PARAMS)
+    update_params(origin, tiny_run(gpus=1, steps=3))
+    run(["git", "init", "-q"], cwd=origin)
+    for key, value in (("user.email", "ci@dsflow"), ("user.name", "ci")):
+        run(["git", "config", key, value], cwd=origin)
+    run(["git", "add", "-A"], cwd=origin)
+    run(["git", "commit", "-qm", "clone"], cwd=origin)
+    repo = origin  # a clone is this, with .dvc/ shipped
+
+    run(["snakemake", "--cores", "all", "train"], cwd=repo)
+    by_snakemake = outputs(repo)
+    run(["dvc", "repro", "train"], cwd=repo)
+    assert outputs(repo) == by_snakemake
+    metrics = json.loads((repo / "metrics/train.json").read_text())
+    assert math.isfinite(metrics["train_loss"]) and metrics["wall_s"] > 0.1
+
+    readme = "git add dvc.lock params.yaml metrics dvclive && git commit -qm run1"
+    run(["bash", "-c", readme], cwd=repo)
+    assert run(["git", "status", "--porcelain"], cwd=repo).stdout == ""
+    # Snakemake marks its folder outputs as up to date: a .snakemake_timestamp in each.
+    run(["snakemake", "--cores", "1", "--touch", "--forceall", "train"], cwd=repo)
+    assert (repo / "data/raw/.snakemake_timestamp").exists()
+    assert json.loads(run(["dvc", "status", "train", "--json"], cwd=repo).stdout) == {}
+
+    update_params(repo, {"train": {"optimizer": {"lr": 0.001}}})
+    run(["dvc", "repro", "train"], cwd=repo)
+    run(["bash", "-c", readme.replace("run1", "run2")], cwd=repo)
+    diff = run(["dvc", "metrics", "diff", "HEAD~1", "HEAD", "--json"], cwd=repo).stdout
+    changed = json.loads(diff)["metrics/train.json"]
+    assert "val_loss" in changed and "wall_s" in changed
+    numbers = [v for d in changed.values() for v in (d["old"], d["new"]) if isinstance(v, float)]
+    assert numbers and all(math.isfinite(v) for v in numbers)
+    baseline = json.loads(run(["git", "show", "HEAD~1:metrics/train.json"], cwd=repo).stdout)
+    assert baseline == metrics  # the committed baseline is the run Snakemake trained
