@@ -78,20 +78,38 @@ NOT_PROJECT_ANY = {"__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache",
 ONLY_AT_TOP = {"data": (".gitignore",), ".dvc": ("config", ".gitignore")}
 
 
+# Virtual environments: a folder holding pyvenv.cfg (what `python -m venv` and virtualenv
+# write), under any name and anywhere, and the usual names at the top even before pyvenv.cfg
+# is there. Never the project's: a venv inside the checkout is gigabytes.
+VENV_MARKER = "pyvenv.cfg"
+VENV_NAMES = {".venv", "venv", "env"}
+
+
+def is_venv(path: Path) -> bool:
+    return (path / VENV_MARKER).is_file()
+
+
+def _skipped(child: Path, rel: Path) -> bool:
+    """Whether `child` (at `rel` in the project, a file or a folder) is not the project's."""
+    name, top = child.name, len(rel.parts) == 1
+    if name in NOT_PROJECT_ANY or name.endswith(".egg-info"):
+        return True
+    if top and name in NOT_PROJECT_TOP:
+        return True
+    folder = child.is_dir() and not child.is_symlink()
+    return folder and ((top and name in VENV_NAMES) or is_venv(child))
+
+
 def _walk_project(path: Path, rel: Path = Path()) -> list[str]:
     files = []
     for child in sorted(path.iterdir()):
-        name, sub = child.name, rel / child.name
-        top = rel == Path()
-        if (
-            name in NOT_PROJECT_ANY
-            or name.endswith(".egg-info")
-            or (top and name in NOT_PROJECT_TOP)
-        ):
+        sub = rel / child.name
+        if _skipped(child, sub):
             continue
         if child.is_dir() and not child.is_symlink():
-            if top and name in ONLY_AT_TOP:
-                files += [str(sub / f) for f in ONLY_AT_TOP[name] if (child / f).is_file()]
+            if rel == Path() and child.name in ONLY_AT_TOP:
+                only = ONLY_AT_TOP[child.name]
+                files += [str(sub / f) for f in only if (child / f).is_file()]
                 continue
             files += _walk_project(child, sub)
         elif child.is_file():
@@ -99,7 +117,25 @@ def _walk_project(path: Path, rel: Path = Path()) -> list[str]:
     return files
 
 
+def _kept(rel: str, verdicts: dict[Path, bool]) -> bool:
+    """Whether a file git lists is the project's by the rules `_walk_project` applies: git
+    also lists stage outputs a user committed (metrics/, dvclive/) and files of a venv that
+    no .gitignore names. `verdicts` caches each folder's answer."""
+    parts = Path(rel).parts
+    if parts[0] in ONLY_AT_TOP:
+        return len(parts) == 2 and parts[1] in ONLY_AT_TOP[parts[0]]
+    for depth in range(1, len(parts) + 1):
+        sub = Path(*parts[:depth])
+        if sub not in verdicts:
+            verdicts[sub] = not _skipped(ROOT / sub, sub)
+        if not verdicts[sub]:
+            return False
+    return True
+
+
 def project_files() -> list[str]:
+    """The project's files, without outputs, caches and virtual environments: git's tracked and
+    untracked-but-not-ignored files where the tree is a git checkout, else a walk of it."""
     try:
         out = subprocess.run(
             ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
@@ -110,7 +146,8 @@ def project_files() -> list[str]:
         ).stdout
     except (OSError, subprocess.CalledProcessError):
         return sorted(_walk_project(ROOT))
-    return [f for f in out.splitlines() if (ROOT / f).is_file()]
+    verdicts: dict[Path, bool] = {}
+    return [f for f in out.splitlines() if (ROOT / f).is_file() and _kept(f, verdicts)]
 
 
 def copy_project(dest: Path) -> Path:

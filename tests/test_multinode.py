@@ -47,15 +47,32 @@ def start_node(repo, rank: int, **extra_env) -> subprocess.Popen:
     )
 
 
-def finish(procs, timeout=300) -> list[tuple[int, str]]:
+# Seconds this machine took, under its load at the time, to train the one-node run: start 4 CPU
+# ranks, train 3 steps, save. A phase of two nodes does about as much (and waits 1 s a step),
+# so it gets a multiple of that, never less than 300 s: on a loaded 2-core machine the ranks'
+# start alone (8 processes importing torch and DeepSpeed) takes minutes.
+PACE: dict[str, float] = {}
+
+
+def phase_timeout() -> float:
+    return max(300.0, 4 * PACE.get("one_node_s", 0.0))
+
+
+def finish(procs, timeout=None) -> list[tuple[int, str]]:
+    """Each node's (exit status, stderr); past the timeout, every node is killed and the
+    failure shows the end of what each printed, so a hang says where it hung."""
+    timeout = timeout or phase_timeout()
+    deadline = time.monotonic() + timeout
     out = []
     for proc in procs:
         try:
-            _, err = proc.communicate(timeout=timeout)
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            raise
+            tails = [(p.communicate()[1] or "")[-2000:] for p in procs]
+            said = "\n".join(f"--- node {i}:\n{t}" for i, t in enumerate(tails))
+            raise AssertionError(f"the nodes did not finish in {timeout:.0f} s\n{said}") from None
         out.append((proc.returncode, err))
     return out
 
@@ -64,7 +81,9 @@ def finish(procs, timeout=300) -> list[tuple[int, str]]:
 def one_node(prepared, tmp_path_factory):
     """4 ranks on one node."""
     repo = copy_of(prepared, tmp_path_factory.mktemp("one") / "repo")
+    started = time.monotonic()
     dsflow("train", cwd=repo, timeout=600)
+    PACE["one_node_s"] = time.monotonic() - started
     return repo
 
 
@@ -145,9 +164,11 @@ def test_a_signal_to_one_node_stops_every_rank_and_two_torchrun_nodes_resume_the
     slow = {"DSFLOW_FAULT_STEP_DELAY": "1"}
     procs = [start_node(repo, 0, **slow), start_node(repo, 1, **slow)]
     tsv = repo / "dvclive/plots/metrics/train/loss.tsv"
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + phase_timeout()
     while not (tsv.exists() and len(tsv.read_text().splitlines()) > 1):
-        assert time.monotonic() < deadline and procs[1].poll() is None, "no step logged"
+        if time.monotonic() > deadline or procs[1].poll() is not None:
+            finish(procs, timeout=1)  # kills both, and fails with what each printed
+            pytest.fail("no step logged")
         time.sleep(0.2)
     procs[1].send_signal(signal.SIGTERM)  # node 1 only
     (code0, err0), (code1, err1) = finish(procs)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -132,10 +134,30 @@ TINY_TRAIN = {
 
 
 def exp_show(repo: Path, *args: str) -> tuple[list[str], str]:
-    """`dvc exp show` with `args`: its table's column names, and its output."""
-    out = run(["dvc", "exp", "show", *args], cwd=repo).stdout
+    """`dvc exp show` with `args`, as CSV: its column names, and its output. (The table's
+    header is no place to read names from: DVC draws the table at most 1024 characters wide
+    and shortens the names of a wider one.)"""
+    out = run(["dvc", "exp", "show", *args, "--csv"], cwd=repo).stdout
+    return out.splitlines()[0].split(","), out
+
+
+def check_readme_exp_show(repo: Path) -> None:
+    """The README's `dvc exp show -n 2 --only-changed`, printed to a pipe, not a terminal:
+    the table holds the changed param, named in full, and both of its values."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "TERM")}
+    out = subprocess.run(
+        ["dvc", "exp", "show", "-n", "2", "--only-changed"],
+        cwd=repo,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     header = next(line for line in out.splitlines() if line.split()[:1] == ["Experiment"])
-    return header.split(), out
+    print(f"dvc exp show -n 2 --only-changed: {len(header)} characters wide")
+    assert "train.optimizer.lr" in header.split(), header
+    assert "0.001" in out and "0.003" in out
 
 
 def check_exp_show(repo: Path) -> None:
@@ -163,6 +185,7 @@ def check_exp_show(repo: Path) -> None:
         "train.optimizer.lr",
     ]
     assert "0.001" in out and "0.003" in out
+    check_readme_exp_show(repo)
 
 
 def final_model(repo: Path) -> dict[str, bytes]:

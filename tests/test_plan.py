@@ -586,23 +586,23 @@ def test_run_writes_a_deterministic_report(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(machine, "host_memory_bytes", lambda: 8000 * GB)
     monkeypatch.setattr(machine, "disk_free_bytes", lambda path=".": 100_000 * GB)
     params = _params("profiles/rtx4090x3.yaml")
-    args = _args("--model", "deepseek-v2", "--gpus", "3", "--gpu-mem", "24")
+    args = _args("--model", "deepseek-v2", "--gpus", "3", "--gpu-mem", "24", "--out", "ask.json")
     stage.run(params, args)
-    first = (tmp_path / "reports/plan.json").read_bytes()
+    first = (tmp_path / "ask.json").read_bytes()
     out = capsys.readouterr().out
     assert "per-GPU GB" in out and "16-bit weights alone are 471.5 GB" in out
     stage.run(params, args)
-    assert (tmp_path / "reports/plan.json").read_bytes() == first
+    assert (tmp_path / "ask.json").read_bytes() == first
     rep = json.loads(first)
     assert {"estimate", "verdict", "recommendation", "summary", "strategies", "table"} <= set(rep)
     assert rep["verdict"]["fits"] is False
     assert rep["recommendation"]["fits"] and rep["recommendation"]["gpu_bytes"] <= CARD
     assert rep["request"]["gpu_mem_bytes"] == CARD and rep["request"]["world"] == 3
     assert list(rep) == sorted(rep)
-    assert not list(tmp_path.glob("reports/.*tmp*"))
+    assert not list(tmp_path.glob(".*tmp*"))
 
-    stage.run(params, _args("--gpu-mem", "24"))  # the profile itself: medium fits
-    rep = json.loads((tmp_path / "reports/plan.json").read_text())
+    stage.run(params, _args("--gpu-mem", "24", "--out", "ask.json"))  # the profile: medium fits
+    rep = json.loads((tmp_path / "ask.json").read_text())
     assert rep["verdict"]["fits"] is True and rep["request"]["preset"] == "medium"
 
 
@@ -683,7 +683,10 @@ def test_the_train_stage_takes_this_plan_when_it_planned_the_same_launch(monkeyp
     assert plan == planned and said == []
     assert launched["train"]["zero_stage"] == plan["request"]["zero_stage"] == 2
 
-    stage.run(params, _args("--gpu-mem", "24"))  # planned for 24 GB GPUs
+    # Planned for 24 GB GPUs (an ad-hoc plan, put in place as a plan stage on another machine
+    # would have written it).
+    stage.run(params, _args("--gpu-mem", "24", "--out", "reports/other.json"))
+    (tmp_path / "reports/other.json").replace(tmp_path / "reports/plan.json")
     _, plan = train.plan_memory(params, 3, "cpu")
     assert plan["request"]["gpu_mem_bytes"] is None and plan["estimate"] == planned["estimate"]
     assert said == [
@@ -715,9 +718,9 @@ def test_published_models_on_three_24gb_cards_and_256gb_are_refused(
     names the smallest machine that would hold the model, with its host RAM."""
     monkeypatch.chdir(tmp_path)
     argv = ("--model", preset, "--gpus", "3", "--gpu-mem", "24", "--host-mem", "256")
-    code, out, err = _cli(monkeypatch, capsys, *argv, "--disk", "1000000")
+    code, out, err = _cli(monkeypatch, capsys, *argv, "--disk", "1000000", "--out", "ask.json")
     assert code == 1
-    rep = json.loads((tmp_path / "reports/plan.json").read_text())
+    rep = json.loads((tmp_path / "ask.json").read_text())
     own = [r for r in rep["strategies"] if r["preset"] is None]
     assert own and not any(r["fits"] for r in own)
     # ZeRO-3 with full offload fits 24 GB GPUs, but not 256 GB of host RAM.
@@ -743,19 +746,18 @@ def test_host_ram_and_disk_default_to_this_machine_and_decide_the_exit(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(machine, "host_memory_bytes", lambda: 64 * GB)
     monkeypatch.setattr(machine, "disk_free_bytes", lambda path=".": int(500.7 * GB))
-    code, out, _ = _cli(monkeypatch, capsys, "--model", "medium", "--gpus", "3", "--gpu-mem", "24")
+    argv = ("--model", "medium", "--gpus", "3", "--gpu-mem", "24", "--out", "ask.json")
+    code, out, _ = _cli(monkeypatch, capsys, *argv)
     assert code == 0
     assert "host RAM" in out and "64.0 GB (this machine's; --host-mem GB to plan another)" in out
     assert "free 500.0 GB (this machine's; --disk GB to plan another)" in out
-    rep = json.loads((tmp_path / "reports/plan.json").read_text())
+    rep = json.loads((tmp_path / "ask.json").read_text())
     assert rep["request"]["disk_free_bytes"] == 500 * GB  # whole GB: a stable plan
     assert rep["verdict"]["fits"] is True and rep["smallest_machine"] is None
     # Not enough disk for the checkpoints: no layout fits, exit 1, the disk named.
-    code, out, err = _cli(
-        monkeypatch, capsys, "--model", "medium", "--gpus", "3", "--gpu-mem", "24", "--disk", "1"
-    )
+    code, out, err = _cli(monkeypatch, capsys, *argv, "--disk", "1")
     assert code == 1 and "GB of disk, 1.0 GB free" in out
-    rep = json.loads((tmp_path / "reports/plan.json").read_text())
+    rep = json.loads((tmp_path / "ask.json").read_text())
     assert rep["smallest_machine"]["disk_bytes"] > GB
 
 

@@ -5,16 +5,23 @@ machine's GPUs), estimates its memory (:mod:`dsflow.plan.memory`), judges the la
 (:mod:`dsflow.plan.layouts`), prints the tables (:mod:`dsflow.plan.tables`) and writes
 reports/plan.json, which the train stage reads when it launches the same request.
 
+Only the stage writes reports/plan.json: `python -m dsflow plan` as dvc.yaml and the Snakefile
+run it, with no flag. An ad-hoc question (any of the flags below: --model, --gpus, --gpu-mem,
+--host-mem, ...) prints its answer and leaves reports/plan.json alone, since that file is a DVC
+output the train stage plans its launch from; ``--out PATH`` writes the answer's JSON to PATH.
+
 Sizes print in GB = 10^9 bytes. ``--gpu-mem 24`` means 24e9 bytes: a "24 GB" RTX 4090 reports
 24564 MiB (25.76e9 bytes), so the flag is slightly conservative. Host RAM and free disk are this
 machine's unless ``--host-mem`` / ``--disk`` say otherwise. The command exits 1 (after writing
-reports/plan.json) when no layout of the model fits, unless train.force is set.
+its plan) when no layout of the model fits, unless train.force is set.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 from dsflow.atomic import atomic_file
@@ -22,6 +29,7 @@ from dsflow.errors import UsageError
 from dsflow.model import presets
 from dsflow.paths import PLAN
 from dsflow.plan import layouts, memory, request, tables
+from dsflow.progress import log
 
 
 def add_arguments(parser: Any) -> None:
@@ -55,6 +63,39 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--finetune", choices=["full", "lora"], help="full or LoRA (train.lora's adapters)"
     )
+    parser.add_argument(
+        "--out",
+        metavar="PATH",
+        help=f"write the plan's JSON here (default: {PLAN} for the stage, nothing for an "
+        "ad-hoc question)",
+    )
+
+
+def ad_hoc(args: Any) -> list[str]:
+    """The flags of `args` that ask about another run than params.yaml's (empty: the stage).
+    Only this module's flags count: the command line's namespace holds --params and the rest."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    questions = set(vars(parser.parse_args([]))) - {"out"}
+    given = vars(args) if args is not None else {}
+    return sorted(f"--{k.replace('_', '-')}" for k in questions if given.get(k) is not None)
+
+
+def destination(args: Any) -> Path | None:
+    """Where the plan's JSON goes: --out, else reports/plan.json for the stage, else nowhere.
+    An ad-hoc plan never replaces the stage's output (DVC tracks it, the train stage reads it)."""
+    out = getattr(args, "out", None)
+    flags = ad_hoc(args)
+    if out is None:
+        return None if flags else PLAN
+    out = Path(out)
+    if flags and out.resolve() == PLAN.resolve():
+        raise UsageError(
+            f"--out {out}: that is the plan stage's output, which DVC tracks and the train stage "
+            f"plans its launch from, and {', '.join(flags)} plan another run; write the answer "
+            f"elsewhere, or run `python -m dsflow plan` without flags to plan params.yaml's run"
+        )
+    return out
 
 
 def build_plan(
@@ -97,13 +138,21 @@ class NothingFits(UsageError):
 
 
 def run(params: dict, args: Any = None) -> None:
-    """Print the plan and write reports/plan.json (sorted keys: same inputs, same bytes);
-    raise NothingFits when no layout of the model fits, unless train.force is set."""
+    """Print the plan and write it where `destination` says (sorted keys: same inputs, same
+    bytes); raise NothingFits when no layout of the model fits, unless train.force is set."""
+    out = destination(args)
     plan = build_plan(params, args)
     print(tables.format_report(plan))
-    with atomic_file(PLAN) as f:
-        json.dump(plan, f, indent=2, sort_keys=True)
-        f.write("\n")
+    if out is not None:
+        with atomic_file(out) as f:
+            json.dump(plan, f, indent=2, sort_keys=True)
+            f.write("\n")
+    else:
+        log.info(
+            "a plan for %s: %s is the stage's and stays as it is (--out PATH writes this one)",
+            " ".join(ad_hoc(args)),
+            PLAN,
+        )
     if layouts.model_fits(plan) is False and not params["train"].get("force"):
         req = plan["request"]
         where = (

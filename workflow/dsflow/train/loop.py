@@ -22,7 +22,7 @@ from dsflow.data.shards import BatchLoader, ShardReader
 from dsflow.model import fastpaths
 from dsflow.model.build import save_hf
 from dsflow.model.presets import param_counts
-from dsflow.paths import FINAL, SHARDS, TOKENIZER
+from dsflow.paths import CHECKPOINTS, FINAL, SHARDS, TOKENIZER
 from dsflow.train import checkpoint as ckpt
 from dsflow.train import engine
 from dsflow.train.diagnostics import Hooks
@@ -35,7 +35,15 @@ from dsflow.train.health import (
     report_exception,
     report_fatal,
 )
-from dsflow.train.metrics import Meter, write_metrics
+from dsflow.train.metrics import (
+    WALL_KEY,
+    Meter,
+    finished_record,
+    history_from_live,
+    restore_finished,
+    summary,
+    write_metrics,
+)
 from dsflow.train.runspec import RunSpec
 
 # Start-up, checkpoint saves and the final export may keep the ranks apart for long (one rank
@@ -62,10 +70,12 @@ def main() -> int:
     verify = not spec.data_verified
     train_data = ShardReader(SHARDS / "train", spec.seq_len, seed=spec.seed, verify=verify)
     val_data = ShardReader(SHARDS / "val", spec.seq_len, seed=spec.seed, verify=verify)
-    meter = Meter(run, spec, health, lambda: run.validate(spec, val_data), start)
+    if start >= spec.steps:  # checkpoints/ holds this run finished: its outputs again
+        return finish_again(run, spec, health, health_state, lambda: run.validate(spec, val_data))
+    before = float((health_state or {}).get(WALL_KEY, 0.0))
+    meter = Meter(run, spec, health, lambda: run.validate(spec, val_data), start, before)
     loader = batches(run, spec, train_data, start)
     run.engine.train()
-    wall0 = time.perf_counter()
     last_good = spec.resume.split("/")[0] if spec.resume else None  # newest complete checkpoint
     last_saved = start if start > 0 else None
     for step in range(start + 1, spec.steps + 1):
@@ -88,7 +98,7 @@ def main() -> int:
         periodic = spec.checkpoint_due(step) and health.streak == 0
         if periodic or step == spec.steps or stop:
             with meter.clock.aside(), patient_collectives(timeout):
-                last_good = ckpt.save(run, spec, step, health.state(), hooks.faults, last_good)
+                last_good = ckpt.save(run, spec, step, meter.state(), hooks.faults, last_good)
             last_saved = step
         if stop and step < spec.steps:
             line = f"stopped on request after step {step}; checkpoint {last_good} saved"
@@ -97,8 +107,8 @@ def main() -> int:
     report_compiles(compiled)
     collective_timeout(max(PATIENT_TIMEOUT_S, timeout))  # the last save and the export
     if last_saved != spec.steps and start < spec.steps:
-        ckpt.save(run, spec, spec.steps, health.state(), hooks.faults, last_good)
-    return finish_run(run, spec, meter, time.perf_counter() - wall0)
+        ckpt.save(run, spec, spec.steps, meter.state(), hooks.faults, last_good)
+    return finish_run(run, spec, meter)
 
 
 def report_compiles(watch: fastpaths.CompileWatch | None, mark: bool = False) -> None:
@@ -224,31 +234,90 @@ def leave(meter: Meter, loader: BatchLoader, hooks: Hooks, line: str, fatal: boo
     return EXIT_STOPPED if Stop.requested else 0
 
 
-def finish_run(run: engine.Run, spec: RunSpec, meter: Meter, wall_s: float) -> int:
-    """The last validation, models/final and metrics/train.json (rank 0)."""
+def finish_run(run: engine.Run, spec: RunSpec, meter: Meter) -> int:
+    """The last validation, models/final and metrics/train.json (rank 0), which the run also
+    keeps with dvclive/ in its last checkpoint tag (metrics.write_metrics)."""
     assert meter.pending is None, "the last step is always read at once"
     if meter.val_loss is None:
         meter.val_loss = meter.validate()
-    if run.adapter is not None:
-        _save_lora(run, spec)
-    # ZeRO-3: every rank takes part in gathering the full weights, rank 0 keeps them.
-    whole = spec.zero3 and run.adapter is None
-    weights = run.engine._zero3_consolidated_16bit_state_dict() if whole else None
+    wall_s = meter.wall_s()
     if run.rank == 0:
         meter.close()
-        if run.adapter is None:
-            save_hf(run.model, FINAL, TOKENIZER, weights)
+    save_final_model(run, spec)
+    if run.rank == 0:
         health = meter.health
-        summary = {
-            **hardware(run, spec, meter.device_name),
-            "skipped_steps": health.skipped,
-            "bad_steps": health.bad,
-            "grad_norm_spikes": health.spikes,
-        }
         counts = param_counts(run.model.config)
-        write_metrics(spec, meter.history, counts, meter.val_loss, meter.loss, wall_s, summary)
+        metrics = summary(
+            spec,
+            meter.history,
+            counts,
+            meter.val_loss,
+            meter.loss,
+            wall_s,
+            outcome(run, spec, meter.device_name, health),
+        )
+        write_metrics(metrics, record=CHECKPOINTS / ckpt.tag_for(spec.steps))
     dist.barrier()
     return 0
+
+
+def finish_again(run: engine.Run, spec: RunSpec, health, state: dict | None, validate) -> int:
+    """A train stage started on a run that checkpoints/ holds finished (its last tag at or past
+    the run's steps; Snakemake ran it, then `dvc repro` runs the stage again): the outputs it
+    wrote at its end, again, instead of a "resumed" run of no step with no loss to report.
+    models/final from the loaded weights; metrics/train.json and dvclive/ from the record the
+    run kept in that tag, or, where it kept none, rebuilt from dvclive/ and a validation."""
+    tag = spec.resume.split("/")[0]
+    kept = [run.rank == 0 and finished_record(CHECKPOINTS / tag) is not None]
+    dist.broadcast_object_list(kept, src=0)
+    val_loss = None if kept[0] else validate()  # every rank takes part
+    save_final_model(run, spec)
+    if run.rank == 0:
+        print(
+            f"[dsflow train] {tag}: this run is finished; models/final written again from it, "
+            f"metrics/train.json {'as it recorded them' if kept[0] else 'rebuilt from dvclive/'}",
+            file=sys.stderr,
+        )
+    if run.rank == 0 and kept[0]:
+        restore_finished(CHECKPOINTS / tag)
+    elif run.rank == 0:
+        rebuild_metrics(run, spec, ckpt.step_of(tag), health, state, val_loss)
+    dist.barrier()
+    return 0
+
+
+def rebuild_metrics(run: engine.Run, spec: RunSpec, step: int, health, state, val_loss) -> None:
+    """metrics/train.json of a finished run that kept no record of it: the steps' numbers from
+    dvclive/, the last step's loss among them, and the training seconds its checkpoint kept."""
+    history = history_from_live()
+    mine = [h for h in history if h["step"] == step]
+    train_loss = mine[0].get("train/loss") if mine else None
+    wall_s = (state or {}).get(WALL_KEY)
+    device_name = torch.cuda.get_device_name(run.device) if run.cuda else "cpu"
+    counts = param_counts(run.model.config)
+    hw = outcome(run, spec, device_name, health)
+    write_metrics(summary(spec, history, counts, val_loss, train_loss, wall_s, hw))
+
+
+def outcome(run: engine.Run, spec: RunSpec, device_name: str, health) -> dict:
+    """metrics/train.json's hardware and health entries."""
+    return {
+        **hardware(run, spec, device_name),
+        "skipped_steps": health.skipped,
+        "bad_steps": health.bad,
+        "grad_norm_spikes": health.spikes,
+    }
+
+
+def save_final_model(run: engine.Run, spec: RunSpec) -> None:
+    """models/final. ZeRO-3: every rank takes part in gathering the full weights, rank 0 keeps
+    them; LoRA: the merged model and its adapter."""
+    if run.adapter is not None:
+        _save_lora(run, spec)
+        return
+    weights = run.engine._zero3_consolidated_16bit_state_dict() if spec.zero3 else None
+    if run.rank == 0:
+        save_hf(run.model, FINAL, TOKENIZER, weights)
 
 
 def _save_lora(run: engine.Run, spec: RunSpec) -> None:

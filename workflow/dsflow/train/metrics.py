@@ -20,6 +20,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,12 +29,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsflow.atomic import atomic_file
+from dsflow.atomic import atomic_dir, atomic_file
 from dsflow.model.flops import flops_per_token, mfu, mfu_peak
 from dsflow.paths import CHECKPOINTS, LIVE, TRAIN_METRICS
 from dsflow.progress import bar
 from dsflow.train.checkpoint import STOP_FILE
 from dsflow.train.health import Stop
+
+# In a run's last checkpoint tag: its metrics/train.json and dvclive/ as it finished.
+FINISHED = "finished"
+# The health state's key (saved with every checkpoint) for the run's training seconds so far.
+WALL_KEY = "wall_s"
 
 
 class Readback:
@@ -220,9 +226,9 @@ def truncate_live_logs(root: Path, start: int) -> None:
         tsv.write_text(header + "".join(kept))
 
 
-def write_metrics(spec, history, counts, val_loss, train_loss, wall_s, hardware) -> None:
-    """metrics/train.json: the run's summary, means over its steady steps (the first tenth of
-    the steps, at least the first, warm up)."""
+def summary(spec, history, counts, val_loss, train_loss, wall_s, hardware) -> dict:
+    """metrics/train.json's content: the run's summary, means over its steady steps (the first
+    tenth of the steps, at least the first, warm up)."""
     steady = history[min(len(history) - 1, max(1, len(history) // 10)) :] if history else []
 
     def mean(key):
@@ -235,7 +241,7 @@ def write_metrics(spec, history, counts, val_loss, train_loss, wall_s, hardware)
         print(
             f"[dsflow train] MFU {100 * mean('perf/mfu'):.1f}% of the {peak_what}", file=sys.stderr
         )
-    metrics = {
+    return {
         "step": spec.steps,
         "tokens": spec.steps * spec.global_tokens,
         "train_loss": train_loss,
@@ -261,9 +267,64 @@ def write_metrics(spec, history, counts, val_loss, train_loss, wall_s, hardware)
         "wall_s": wall_s,
         **hardware,
     }
+
+
+def metrics_text(metrics: dict) -> str:
+    return json.dumps(metrics, indent=2, sort_keys=True) + "\n"
+
+
+def write_metrics(metrics: dict, record: Path | None = None) -> None:
+    """metrics/train.json; with `record` (the run's last checkpoint tag) first kept there, with
+    dvclive/, so that a train stage started again on the finished run writes the same outputs
+    (`restore_finished`) instead of resuming into a run of no step."""
+    if record is not None:
+        with atomic_dir(record / FINISHED) as tmp:
+            (tmp / TRAIN_METRICS.name).write_text(metrics_text(metrics))
+            if LIVE.is_dir():
+                shutil.copytree(LIVE, tmp / LIVE.name)
     with atomic_file(TRAIN_METRICS) as f:
-        json.dump(metrics, f, indent=2, sort_keys=True)
-        f.write("\n")
+        f.write(metrics_text(metrics))
+
+
+def finished_record(record: Path) -> Path | None:
+    """What the run kept in `record` (its last checkpoint tag) when it finished; None when it
+    kept nothing (saved by an older dsflow, or stopped between that checkpoint and its
+    outputs)."""
+    kept = record / FINISHED
+    return kept if (kept / TRAIN_METRICS.name).is_file() else None
+
+
+def restore_finished(record: Path) -> bool:
+    """metrics/train.json and dvclive/ as the run kept them in `record` when it finished;
+    False when it kept none."""
+    kept = finished_record(record)
+    if kept is None:
+        return False
+    if (kept / LIVE.name).is_dir():
+        with atomic_dir(LIVE) as tmp:
+            shutil.copytree(kept / LIVE.name, tmp, dirs_exist_ok=True)
+    with atomic_file(TRAIN_METRICS) as f:
+        f.write((kept / TRAIN_METRICS.name).read_text())
+    return True
+
+
+def history_from_live(root: Path = LIVE) -> list[dict]:
+    """The logged steps' metrics as `summary` reads them ({"step": n, "perf/step_s": ..., ...},
+    in step order), from dvclive's TSVs: what is left of a finished run that kept no record."""
+    steps: dict[int, dict] = {}
+    base = root / "plots" / "metrics"
+    for tsv in sorted(base.rglob("*.tsv")):
+        name = tsv.relative_to(base).with_suffix("").as_posix()
+        lines = tsv.read_text().splitlines()
+        if not lines:
+            continue
+        header = lines[0].split("\t")
+        for row in lines[1:]:
+            cells = dict(zip(header, row.split("\t"), strict=False))
+            with contextlib.suppress(KeyError, ValueError):  # a row cut short by a kill
+                value, step = float(cells[name.split("/")[-1]]), int(cells["step"])
+                steps.setdefault(step, {"step": step})[name] = value
+    return [steps[k] for k in sorted(steps)]
 
 
 class Meter:
@@ -275,8 +336,11 @@ class Meter:
     never waits for the host between steps. Steps that evaluate, checkpoint or end the run are
     read at once: their decisions need them."""
 
-    def __init__(self, run, spec, health, validate, start: int):
+    def __init__(self, run, spec, health, validate, start: int, wall_before: float = 0.0):
         self.run, self.spec, self.health, self.validate = run, spec, health, validate
+        # The run's seconds before this launch (its earlier parts, up to the checkpoint this
+        # one resumed from), so that wall_s counts the whole run.
+        self.wall_before, self.wall0 = wall_before, time.perf_counter()
         self.late = run.perf.async_metrics
         self.clock = StepClock(events=self.late and run.cuda)
         self.logger = Logger(start, spec.steps, resumed=start > 0) if run.rank == 0 else None
@@ -288,6 +352,14 @@ class Meter:
         self.pending: Readback | None = None
         self.val_loss: float | None = None
         self.loss = float("nan")
+
+    def wall_s(self) -> float:
+        """The run's training seconds so far: its earlier parts and this one."""
+        return self.wall_before + time.perf_counter() - self.wall0
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the run's health and clock (resume gives it back)."""
+        return {**self.health.state(), WALL_KEY: self.wall_s()}
 
     def capture(self, step: int, loss_sum: torch.Tensor, data_wait: float, t0: float) -> Readback:
         """Step `step`'s numbers, queued for reading back."""
