@@ -37,3 +37,17 @@ def test_nothing_is_offered_when_the_micro_batch_is_already_the_largest_that_fit
 
     assert batch.largest_micro(req.config, req, fits) is None
     assert batch.note(req.config, req, fits) is None
+
+
+def test_the_plan_notes_the_larger_micro_batch_and_the_layouts_communication():
+    from dsflow.plan import stage
+
+    params = _params("profiles/rtx4090x3.yaml")
+    params["train"].update(micro_batch=4, grad_accum=4)
+    notes = stage.build_plan(params, _args("--gpu-mem", "24"))["notes"]
+    assert any(n.startswith("train.micro_batch: 8 with train.grad_accum: 2") for n in notes)
+    assert any(n.startswith("communication (ZeRO-2, accum 4): ") for n in notes), notes
+    one = _params("profiles/rtx4090x3.yaml")
+    one["train"].update(gpus=1, micro_batch=8, grad_accum=2)
+    notes = stage.build_plan(one, _args("--gpu-mem", "24", "--gpus", "1"))["notes"]
+    assert not any(n.startswith(("communication", "train.micro_batch")) for n in notes), notes
