@@ -98,6 +98,10 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
     engine, _, _, _ = deepspeed.initialize(
         model=trainee, model_parameters=trainable, optimizer=optimizer, config=spec.ds_config
     )
+    # Checkpoint files hashed as they are written, and loaded without running pickled code.
+    from dsflow.train import ckptengine
+
+    ckptengine.install(engine)
     if optimizer is not None and spec.world == 1:
         # ZeRO-0's all-reduce of one rank would only copy every gradient into buckets and back.
         engine.enable_backward_allreduce = False

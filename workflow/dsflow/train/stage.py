@@ -187,7 +187,11 @@ def prepare_run_dir(spec: dict) -> None:
     for name in ckpt.remove_temp_tags(root):
         log.info("removed %s/%s, left by an interrupted checkpoint save", root, name)
     (root / ckpt.STOP_FILE).unlink(missing_ok=True)
-    resume = ckpt.resume_tag(root, spec["world"], zero_partitioned(spec), note=log.info)
+    # Every file's content hash is checked here, before launch: a damaged tag never reaches
+    # the ranks, and the newest intact one is resumed instead.
+    resume = ckpt.resume_tag(
+        root, spec["world"], zero_partitioned(spec), note=log.info, content=True
+    )
     if resume and _previous_fingerprint(root) != spec["fingerprint"]:
         check_elastic_batch(root, spec)
         check_layout(root, spec)
