@@ -10,7 +10,6 @@ All on one short 2-rank ZeRO-2 run (`trained`, checkpoints of steps 2 and 4), co
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -93,12 +92,6 @@ def last_line(proc) -> str:
     return proc.stderr.strip().splitlines()[-1]
 
 
-def no_rank_traceback(proc) -> bool:
-    """No rank printed a traceback (torchrun's own report of a rank's exit code may follow)."""
-    frames = re.search(r'File ".*/dsflow/train/', proc.stderr)
-    return frames is None and proc.stderr.count("Traceback") <= 1
-
-
 # --------------------------------------------------------------------------- no pickled code
 
 
@@ -163,7 +156,7 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_in_one_line(trained, tmp_pa
         "code (exec)"
     ), last_line(proc)
     assert f"a rerun resumes from {BEFORE}" in last_line(proc)
-    assert no_rank_traceback(proc), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not marker.exists()
 
 
@@ -272,7 +265,7 @@ def test_an_unloadable_checkpoint_is_one_line_and_the_rerun_falls_back(trained, 
         f"it is marked unloadable (checkpoints/{LAST}/{ckpt.UNLOADABLE}) and a rerun resumes "
         f"from {BEFORE}"
     )
-    assert no_rank_traceback(proc), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     proc = train(repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"checkpoints/latest names {LAST}, which is damaged" in proc.stderr
@@ -295,6 +288,6 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_tag_and_file(train
     line = last_line(proc)
     assert line.startswith(f"dsflow train: error: cannot load checkpoint {LAST} ({MODEL}: "), line
     assert "size mismatch" in line and f"a rerun resumes from {BEFORE}" in line
-    assert no_rank_traceback(proc), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "the ranks could not load it" in ckpt.validate_tag(root, LAST, 2, True)
     assert ckpt.resume_tag(root, 2, True, content=True) == BEFORE

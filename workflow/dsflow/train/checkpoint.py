@@ -602,27 +602,35 @@ def resume(run: Any, spec: Any) -> tuple[int, dict | None]:
     naming the tag and the file, and is marked so that a rerun resumes from the one before."""
     if not spec.resume:
         return 0, None
+    client, error = None, None
     try:
-        with safeload.weights_only():
-            _, client = run.engine.load_checkpoint(
-                str(CHECKPOINTS), tag=spec.resume, load_module_strict=not spec.lora_on
-            )
-        if client is None:
-            raise ValueError("DeepSpeed found no checkpoint to load")
+        client = _load(run, spec)
     except Exception as e:  # noqa: BLE001 - whatever the files make DeepSpeed raise
-        _unloadable(e, spec, run.rank)
-    if len(client["rng"]) == spec.world:
-        set_rng_state(client["rng"][run.rank])
-    if "expert_bias" in client:
-        # A universal checkpoint (another world size) restores parameters only, not the
-        # module's buffers: the router biases come from the client state.
-        run.balancer.load_bias_state(client["expert_bias"])
+        error = e
+    _leave_unless_all_loaded(error, spec, run)
     run.balancer.sync_bias()
     if run.rank == 0:
         saved = len(client["rng"])
         elastic = f" (saved by {saved} ranks)" if saved != spec.world else ""
         print(f"[dsflow train] resumed from step {client['step']}{elastic}", file=sys.stderr)
     return client["step"], client.get("health")
+
+
+def _load(run: Any, spec: Any) -> dict:
+    """spec.resume into the engine, weights-only; its client state, RNG and biases applied."""
+    with safeload.weights_only():
+        _, client = run.engine.load_checkpoint(
+            str(CHECKPOINTS), tag=spec.resume, load_module_strict=not spec.lora_on
+        )
+    if client is None:
+        raise ValueError("DeepSpeed found no checkpoint to load")
+    if len(client["rng"]) == spec.world:
+        set_rng_state(client["rng"][run.rank])
+    if "expert_bias" in client:
+        # A universal checkpoint (another world size) restores parameters only, not the
+        # module's buffers: the router biases come from the client state.
+        run.balancer.load_bias_state(client["expert_bias"])
+    return client
 
 
 def _peer_failure(exc: BaseException) -> bool:
@@ -633,16 +641,49 @@ def _peer_failure(exc: BaseException) -> bool:
 
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError, dist.DistError)):
         return True
-    text = str(exc)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset", "Gloo"))
+    text = str(exc).lower()
+    return any(s in text for s in ("connection closed by peer", "connection reset", "gloo"))
+
+
+def _leave_unless_all_loaded(error: BaseException | None, spec: Any, run: Any) -> None:
+    """Every rank learns whether any rank failed to load the checkpoint; then all go on, or all
+    leave: the rank that failed with one line (the first one's wins) and the tag marked
+    unloadable (not for memory or a peer's failure). Under the train stage, which prints that
+    line, the ranks leave cleanly when they agreed; else the launcher stops the rest."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        flag = torch.tensor([0 if error is None else 1], device=run.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed, agreed = bool(flag.item()), True
+    except Exception as e:  # noqa: BLE001 - a peer left in the middle of loading
+        error, failed, agreed = error or e, True, False
+    if not failed:
+        return
+    tag = spec.resume.split("/")[0]  # "stepN/universal" was converted from stepN
+    if error is not None and _peer_failure(error):
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        report_fatal(f"rank {run.rank} stopped while loading checkpoint {tag}: {reason}")
+    elif error is not None:
+        zero = True if spec.ds_config["zero_optimization"].get("stage", 0) else None
+        line = unloadable_line(error, tag, previous_tag(CHECKPOINTS, tag, spec.world, zero))
+        mark_unloadable(CHECKPOINTS, tag, line)
+        report_fatal(line)
+    sys.stderr.flush()
+    os._exit(0 if agreed and os.environ.get("DSFLOW_STATUS_FILE") else EXIT_FATAL)
 
 
 def unloadable_line(exc: BaseException, tag: str, nxt: str | None) -> str:
     """One line: which checkpoint could not be loaded, from which file, and what a rerun does."""
+    file = exc.path if isinstance(exc, safeload.CheckpointError) else safeload.last_file
+    where = "loading it"
+    if file:  # relative to the tag (a universal checkpoint's files are in sub-folders)
+        parts = Path(file).parts
+        where = "/".join(parts[parts.index(tag) + 1 :]) if tag in parts else file
     if isinstance(exc, safeload.CheckpointError):
-        where, reason = Path(exc.path).name, exc.reason
+        reason = exc.reason
     else:
-        where = Path(safeload.last_file).name if safeload.last_file else "loading it"
         reason = " ".join(str(exc).split())[:300] or type(exc).__name__
     rerun = f"a rerun resumes from {nxt}" if nxt else "a rerun starts from step 0"
     return (
@@ -663,19 +704,3 @@ def previous_tag(root: Path, tag: str, world: int, zero: bool | None) -> str | N
     """The newest complete tag older than `tag` (sizes and layout only)."""
     older = [t for t in tags(root) if t < tag]
     return next((t for t in reversed(older) if not validate_tag(root, t, world, zero, True)), None)
-
-
-def _unloadable(exc: BaseException, spec: Any, rank: int) -> None:
-    """Leave this rank after a failed resume: one line (the first rank's wins) and the tag
-    marked, or, when a peer failed first, one line of its own (the launcher stops every rank)."""
-    tag = spec.resume.split("/")[0]  # "stepN/universal" was converted from stepN
-    if _peer_failure(exc):
-        line = f"rank {rank} stopped while loading checkpoint {tag}: {str(exc).splitlines()[0]}"
-        print(f"[dsflow train] {line[:300]}", file=sys.stderr, flush=True)
-    else:
-        zero = True if spec.ds_config["zero_optimization"].get("stage", 0) else None
-        line = unloadable_line(exc, tag, previous_tag(CHECKPOINTS, tag, spec.world, zero))
-        mark_unloadable(CHECKPOINTS, tag, line)
-        report_fatal(line)
-    sys.stderr.flush()
-    os._exit(EXIT_FATAL)
