@@ -31,6 +31,7 @@ from dsflow.errors import UsageError
 HASH = "xxh3_128"
 RECORD = "dsflow_hashes.json"  # an HF model folder's file sizes and content hashes
 CHUNK = 1 << 22
+EXIT_REFUSED = 65  # `python -m dsflow.safeload`: a file was refused or damaged (EX_DATAERR)
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 _OBJECT = re.compile(r"Can only build .* but got (<class [^>]*>)")
 
@@ -228,7 +229,7 @@ def main(argv: list[str]) -> int:
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED
     return 0
 
 

@@ -194,7 +194,7 @@ def validate_tag(
     if not path.is_dir():
         return "no such directory"
     if (path / UNLOADABLE).exists():
-        return f"the ranks could not load it before (see {tag}/{UNLOADABLE})"
+        return f"a run could not load it before (see {tag}/{UNLOADABLE})"
     manifest = path / MANIFEST
     if manifest.exists():
         try:
@@ -340,6 +340,12 @@ def to_universal(root: Path, tag: str) -> str:
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
             shutil.rmtree(tmp, ignore_errors=True)
+            if proc.returncode == safeload.EXIT_REFUSED:  # a file no run can load
+                path, _, reason = last.removeprefix("error: ").partition(": ")
+                refused = safeload.CheckpointError(path, reason)
+                line = unloadable_line(refused, tag, previous_tag(root, tag, None, None))
+                mark_unloadable(root, tag, line)
+                raise UsageError(line)
             raise UsageError(
                 f"cannot convert checkpoint {tag} to a universal checkpoint for a resume on "
                 f"another number of ranks (deepspeed.checkpoint.ds_to_universal: {last}); "
@@ -693,14 +699,14 @@ def unloadable_line(exc: BaseException, tag: str, nxt: str | None) -> str:
 
 
 def mark_unloadable(root: Path, tag: str, line: str) -> None:
-    """Keep resume_tag from picking `tag` again (the first rank's reason stays)."""
+    """Keep resume_tag from picking `tag` again (the first reason stays)."""
     with contextlib.suppress(OSError):
         fd = os.open(root / tag / UNLOADABLE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         with os.fdopen(fd, "w") as f:
             f.write(line + "\n")
 
 
-def previous_tag(root: Path, tag: str, world: int, zero: bool | None) -> str | None:
+def previous_tag(root: Path, tag: str, world: int | None, zero: bool | None) -> str | None:
     """The newest complete tag older than `tag` (sizes and layout only)."""
     older = [t for t in tags(root) if t < tag]
     return next((t for t in reversed(older) if not validate_tag(root, t, world, zero, True)), None)
