@@ -222,7 +222,7 @@ def test_a_run_with_a_flipped_bit_resumes_from_the_intact_checkpoint(trained, tm
     assert (repo / final).read_bytes() == (trained / final).read_bytes()
 
 
-def test_a_damaged_models_final_fails_evaluate_and_export_in_one_line(trained, tmp_path):
+def test_a_damaged_models_final_fails_evaluate_in_one_line(trained, tmp_path):
     """A flipped bit in models/final/model.safetensors: evaluate names the file (no score is
     written), and a pickle-only models/final is refused before anything loads it."""
     repo = copy_run(trained, tmp_path / "run")
