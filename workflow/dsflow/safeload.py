@@ -37,6 +37,7 @@ _OBJECT = re.compile(r"Can only build .* but got (<class [^>]*>)")
 
 # The file each `torch_load` read last: what a load that fails after reading names.
 last_file: str | None = None
+_original_load: Any = None  # torch.load while `weights_only` replaces it
 
 
 class CheckpointError(UsageError):
@@ -145,9 +146,6 @@ def torch_load(f: Any, map_location: Any = "cpu", **kwargs: Any) -> Any:
     import torch
 
     return _load(_original_load or torch.load, f, (), {"map_location": map_location, **kwargs})
-
-
-_original_load: Any = None
 
 
 @contextlib.contextmanager
