@@ -10,6 +10,7 @@ All on one short 2-rank ZeRO-2 run (`trained`, checkpoints of steps 2 and 4), co
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -163,6 +164,29 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_in_one_line(trained, tmp_pa
     ), last_line(proc)
     assert f"a rerun resumes from {BEFORE}" in last_line(proc)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not marker.exists()
+
+
+def test_under_zero3_a_planted_pickle_in_one_ranks_model_states_is_one_line(prepared, tmp_path):
+    """ZeRO-3 ranks each read their own model states, between DeepSpeed's collectives: the rank
+    that meets the pickle names it and leaves at once, the launcher stops its peer (nothing
+    hangs, no rank prints a traceback), and the code never runs."""
+    repo = tmp_path / "zero3"
+    skip = shutil.ignore_patterns("checkpoints", "models", "dvclive", "metrics")
+    shutil.copytree(prepared, repo, ignore=skip)
+    update_params(repo, tiny_run(2, 2, zero_stage=3))
+    dsflow("train", cwd=repo, timeout=TIMEOUT)
+    name, marker = "zero_pp_rank_1_mp_rank_00_model_states.pt", tmp_path / "ran"
+    plant(repo / "checkpoints" / BEFORE / name, marker)
+    rehash(repo / "checkpoints", BEFORE)
+    proc = train(repo)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert last_line(proc).startswith(
+        f"dsflow train: error: cannot load checkpoint {BEFORE} ({name}: refused: it holds "
+        "pickled code (exec)"
+    ), last_line(proc)
+    assert last_line(proc).endswith("a rerun starts from step 0")
+    assert not re.search(r'File ".*/dsflow/', proc.stderr), proc.stderr[-3000:]
     assert not marker.exists()
 
 

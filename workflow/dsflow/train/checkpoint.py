@@ -652,32 +652,46 @@ def _peer_failure(exc: BaseException) -> bool:
 
 
 def _leave_unless_all_loaded(error: BaseException | None, spec: Any, run: Any) -> None:
-    """Every rank learns whether any rank failed to load the checkpoint; then all go on, or all
-    leave: the rank that failed with one line (the first one's wins) and the tag marked
-    unloadable (not for memory or a peer's failure). Under the train stage, which prints that
-    line, the ranks leave cleanly when they agreed; else the launcher stops the rest."""
+    """Return when every rank loaded the checkpoint; else leave: a rank that failed says why in
+    one line (the first one's wins) and marks the tag unloadable (not for memory or a peer's
+    failure).
+
+    ZeRO-0/1/2 ranks read the same files and DeepSpeed runs no collective while loading them:
+    there the ranks agree (one all-reduce) whether any failed and all leave together, cleanly
+    under the train stage (which prints the line). ZeRO-3 and universal checkpoints are read
+    rank by rank between DeepSpeed's collectives, so a rank that failed leaves at once and the
+    launcher stops the others (an agreement could meet a peer inside another collective)."""
     import torch
     import torch.distributed as dist
 
-    try:
-        flag = torch.tensor([0 if error is None else 1], device=run.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed, agreed = bool(flag.item()), True
-    except Exception as e:  # noqa: BLE001 - a peer left in the middle of loading
-        error, failed, agreed = error or e, True, False
-    if not failed:
+    if error is not None:
+        _report_unloadable(error, spec, run.rank)
+    agreed = False
+    if not spec.zero3 and not spec.resume.endswith(f"/{UNIVERSAL}"):
+        try:
+            flag = torch.tensor([0 if error is None else 1], device=run.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            agreed = True
+            if flag.item() and error is None:
+                error = RuntimeError("another rank could not load the checkpoint")
+        except Exception as e:  # noqa: BLE001 - a peer left in the middle of loading
+            error = error or e
+    if error is None:
         return
-    tag = spec.resume.split("/")[0]  # "stepN/universal" was converted from stepN
-    if error is not None and _peer_failure(error):
-        reason = " ".join(str(error).split())[:200] or type(error).__name__
-        report_fatal(f"rank {run.rank} stopped while loading checkpoint {tag}: {reason}")
-    elif error is not None:
-        zero = True if spec.ds_config["zero_optimization"].get("stage", 0) else None
-        line = unloadable_line(error, tag, previous_tag(CHECKPOINTS, tag, spec.world, zero))
-        mark_unloadable(CHECKPOINTS, tag, line)
-        report_fatal(line)
     sys.stderr.flush()
     os._exit(0 if agreed and os.environ.get("DSFLOW_STATUS_FILE") else EXIT_FATAL)
+
+
+def _report_unloadable(error: BaseException, spec: Any, rank: int) -> None:
+    tag = spec.resume.split("/")[0]  # "stepN/universal" was converted from stepN
+    if _peer_failure(error):
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        report_fatal(f"rank {rank} stopped while loading checkpoint {tag}: {reason}")
+        return
+    zero = True if spec.ds_config["zero_optimization"].get("stage", 0) else None
+    line = unloadable_line(error, tag, previous_tag(CHECKPOINTS, tag, spec.world, zero))
+    mark_unloadable(CHECKPOINTS, tag, line)
+    report_fatal(line)
 
 
 def unloadable_line(exc: BaseException, tag: str, nxt: str | None) -> str:
