@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dsflow import safeload
 from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
 from dsflow.model import fp8, source
@@ -183,10 +184,13 @@ def load_checkpoint_config(pretrained: str) -> Any:
 
 def save_hf(module: Any, out: str | os.PathLike, tokenizer: str | os.PathLike, state_dict=None):
     """An HF model folder (what `AutoModelForCausalLM.from_pretrained` loads), written atomically:
-    the module's config and weights as safetensors, in the module's dtype, and the tokenizer.
+    the module's config and weights as safetensors, in the module's dtype, and the tokenizer,
+    with every file's content hash (safeload.RECORD, checked before the folder is loaded).
     ``state_dict`` replaces the module's own weights (ZeRO-3 gathers them from every rank)."""
     from transformers import AutoTokenizer
 
     with atomic_dir(out) as tmp:
         module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
+        # safetensors writes the file itself, so the hashes are read back once, here.
+        safeload.record_folder(tmp)
