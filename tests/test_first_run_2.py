@@ -101,3 +101,23 @@ def test_a_card_is_named_with_the_memory_it_is_sold_as(lora_profile, monkeypatch
     plan = stage.build_plan(lora_profile, parser.parse_args([*argv, "--disk", "100000"]))
     line = layouts.describe_machine(plan["smallest_machine"])
     assert _cards_named_with_their_memory(line)
+
+
+# --------------------------------------------------------------------------- --help
+
+
+def test_every_command_says_what_it_reads_writes_and_which_params_drive_it(capsys):
+    from dsflow import cli
+
+    names = [*cli.STAGES, "validate", "profile"]
+    assert set(cli.STAGE_HELP) == set(names)
+    for name in names:
+        with pytest.raises(SystemExit) as done:
+            cli.main([name, "--help"])
+        assert done.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert "Params: " in text, name
+        if name not in ("doctor", "validate", "profile"):  # these write nothing
+            assert "->" in text, (name, text)
+    # The text of a stage whose docstring says it is that docstring's, not a restatement.
+    assert "data/raw/{train,val}.parquet + manifest.json" in cli.stage_help("download")
