@@ -121,3 +121,61 @@ def test_every_command_says_what_it_reads_writes_and_which_params_drive_it(capsy
             assert "->" in text, (name, text)
     # The text of a stage whose docstring says it is that docstring's, not a restatement.
     assert "data/raw/{train,val}.parquet + manifest.json" in cli.stage_help("download")
+
+
+# --------------------------------------------------------------------------- the stage log
+
+NOISE = (
+    "deepspeed_shm_comm_op built successfully",
+    "get learning rate from scheduler before it has started",
+    "site-packages/",
+    "  return func(*args, **kwargs)",
+)
+
+
+def test_the_logs_noise_is_left_out_and_real_warnings_kept_once():
+    from dsflow.progress import LogLines
+
+    venv = "/home/me/dsflow/.venv/lib/python3.11/site-packages"
+    printed = [
+        "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
+        "[2026-12-06 08:22:29,695] [WARNING] [lr_schedules.py:938:get_lr] Attempting to get "
+        "learning rate from scheduler before it has started",
+        f"train:   0%|  | 0.00/6.00 [00:00<?, ?step/s]{venv}/torch/distributed/c10d_logger.py:83: "
+        "FutureWarning: `all_gather_into_tensor` is deprecated.",
+        "  return func(*args, **kwargs)",
+        f"{venv}/torch/distributed/c10d_logger.py:83: FutureWarning: `all_gather_into_tensor` is "
+        "deprecated.",
+        "  return func(*args, **kwargs)",
+        "/work/run/train.py:12: UserWarning: something the user should see",
+        "  warnings.warn('something the user should see')",
+        f"[rank1]:W1206 08:22:25.273000 28636 {venv}/torch/utils/_pytree.py:630] an Enum",
+        f"[rank0]:W1206 08:22:25.340000 28635 {venv}/torch/utils/_pytree.py:630] an Enum",
+        "[dsflow train] done: models/final, metrics/train.json",
+    ]
+    keep = LogLines()
+    kept = [k.decode() for k in (keep.kept(x.encode()) for x in printed) if k is not None]
+    assert kept == [
+        "train:   0%|  | 0.00/6.00 [00:00<?, ?step/s]torch/distributed/c10d_logger.py:83: "
+        "FutureWarning: `all_gather_into_tensor` is deprecated.",
+        "/work/run/train.py:12: UserWarning: something the user should see",
+        "[rank1]:W1206 08:22:25.273000 28636 torch/utils/_pytree.py:630] an Enum",
+        "[dsflow train] done: models/final, metrics/train.json",
+    ]
+
+
+@pytest.mark.slow
+def test_a_tiny_cpu_trains_log_has_no_noise(prepared, tmp_path):
+    """Two CPU ranks, two steps: the log says what happened, none of the lines that look like
+    trouble and are not."""
+    import shutil
+
+    from conftest import dsflow, tiny_run, update_params
+
+    repo = tmp_path / "repo"
+    shutil.copytree(prepared, repo)
+    update_params(repo, tiny_run(2, 2))
+    dsflow("train", cwd=repo, timeout=900)
+    text = (repo / "logs/train.log").read_text()
+    assert "[dsflow train] finished, wall_s=" in text
+    assert [line for line in text.splitlines() if any(n in line for n in NOISE)] == []
