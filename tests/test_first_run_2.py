@@ -179,3 +179,116 @@ def test_a_tiny_cpu_trains_log_has_no_noise(prepared, tmp_path):
     text = (repo / "logs/train.log").read_text()
     assert "[dsflow train] finished, wall_s=" in text
     assert [line for line in text.splitlines() if any(n in line for n in NOISE)] == []
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def test_samples_wrap_instead_of_scrolling_past_the_edge():
+    from dsflow import report
+
+    html = report.markdown_to_html("\n".join(["```text", "a" * 500, "```"]), {})
+    style = re.search(r"pre\{([^}]*)\}", html).group(1)
+    assert "white-space:pre-wrap" in style and "overflow-wrap:anywhere" in style
+    assert "overflow:auto" not in style
+
+
+def test_each_val_loss_says_what_it_is_over():
+    from dsflow import report
+
+    params = {
+        "train": {"eval_batches": 2, "micro_batch": 2, "seq_len": 64},
+        "evaluate": {"max_windows": None},
+    }
+    train = {"step": 12, "tokens": 4608, "val_loss": 1.613, "world_size": 3}
+    md = "\n".join(report.training_section(train, [], params))
+    assert "over the first 12 windows of 64 tokens of data/shards/val" in md
+    assert "train.eval_batches 2 x micro batch 2 x 3 rank(s)" in md
+    evalm = {"val_loss": 1.624, "tokens": 51_200}
+    md = "\n".join(report.evaluation_section(evalm, params))
+    assert "over every window of data/shards/val, 51,200 tokens" in md
+    params["evaluate"]["max_windows"] = 40
+    md = "\n".join(report.evaluation_section(evalm, params))
+    assert "the first 40 windows of data/shards/val (evaluate.max_windows)" in md
+
+
+def _live(root, name: str, rows: list[tuple[int, float]]) -> None:
+    path = root / "dvclive/plots/metrics" / f"{name}.tsv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = name.split("/")[-1]
+    path.write_text(f"step\t{key}\n" + "".join(f"{s}\t{v}\n" for s, v in rows))
+
+
+def test_the_training_figures_share_one_x_axis(tmp_path, monkeypatch):
+    from dsflow import report
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("train/loss", "val/loss", "train/lr", "perf/tokens_per_s"):
+        _live(tmp_path, name, [(s, 1.0 / s) for s in range(1, 11)])
+    figs = report.figures({"step": 10, "tokens": 5120}, tmp_path / "none")
+    axes = {name: figs[name].axes[0] for name in ("loss", "lr", "throughput")}
+    assert {ax.get_xlabel() for ax in axes.values()} == {"step (512 tokens each)"}
+    for ax in axes.values():  # every curve against the step
+        assert list(ax.lines[0].get_xdata()) == list(range(1, 11))
+
+
+def test_stage_times_are_in_dag_order(tmp_path, monkeypatch):
+    from dsflow import report
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    stages = ["download", "tokenizer", "tokenize", "shard", "plan", "train", "evaluate", "report"]
+    for name in [*sorted(stages), "export"]:
+        (tmp_path / "logs" / f"{name}.log").write_text("[dsflow] finished, wall_s=1.5\n")
+    assert [row[0] for row in report.stage_times()] == [*stages, "export"]
+
+
+def test_the_comparison_lists_only_the_metrics_that_changed():
+    from dsflow import report
+
+    train = {"step": 12, "val_loss": 1.6, "tokens": 4608, "wall_s": 30.0}
+    evalm = {"val_loss": 1.7, "bits_per_byte": 0.5}
+    old = {
+        str(report.TRAIN_METRICS): {**train, "val_loss": 1.8},
+        str(report.EVAL_METRICS): evalm,
+    }
+    params = {"train": {"lr": 0.003}}
+    md = "\n".join(report.comparison_section(params, train, evalm, ("a" * 40, old, params)))
+    assert "| train.val_loss | 1.8 | 1.6 | -0.2 |" in md
+    assert "tokens" not in md and "bits_per_byte" not in md and "wall_s" not in md
+    assert "Metrics changed (1; 5 unchanged, not listed):" in md
+
+
+def test_dvc_plots_draw_offline_with_the_bundled_template(tmp_path):
+    """`dvc plots show --html-template` with the template `python -m dsflow.report PATH` writes:
+    vega, vega-lite and vega-embed inline, nothing fetched from the internet."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from conftest import run
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    plots = yaml.safe_load((ROOT / "dvc.yaml").read_text())["plots"]
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"plots": plots}))
+    _live(repo, "train/loss", [(1, 5.0), (2, 4.0), (3, 3.5)])
+    run(["git", "init", "-q"], cwd=repo)
+    run(["dvc", "init", "-q"], cwd=repo)
+    run([sys.executable, "-m", "dsflow.report", "offline.html"], cwd=repo)
+    template = (repo / "offline.html").read_text()
+    assert "{plot_divs}" in template and "{scripts}" not in template
+    assert "<script src" not in template and "cdn.jsdelivr.net" not in template
+    for api in ("vega.View", "vegaLite.compile", "vegaEmbed"):
+        assert api.split(".")[0] in template
+    proc = subprocess.run(
+        ["dvc", "plots", "show", "--html-template", "offline.html", "-o", "out"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    page = (repo / "out/index.html").read_text()
+    assert "vegaEmbed('#dvclive_plots_metrics_train_loss_tsv'" in page, proc.stderr
+    assert "<script src" not in page and "cdn.jsdelivr.net" not in page
