@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT
 from dsflow import machine
 from dsflow import params as params_mod
+from dsflow.errors import UsageError
 from dsflow.plan import layouts, request, stage, tables
 
 LORA_PROFILE = ROOT / "profiles/lora-rtx4090x3.yaml"
@@ -59,6 +60,11 @@ def test_a_pretrained_checkpoint_is_never_offered_another_preset(lora_profile):
     assert plan["strategies"] and all(r["preset"] is None for r in plan["strategies"])
     assert plan["recommendation"] is None
     assert "preset " not in tables.strategies_table(plan["strategies"])
+    # The train stage's refusal says so too.
+    small = stage.build_plan(lora_profile, gpu_mem_bytes=4 * GB, host_mem_bytes=50 * GB)
+    with pytest.raises(UsageError, match="nothing fits, not even ZeRO-3 with offload") as refused:
+        layouts.refuse_unless_fits(small)
+    assert "preset" not in str(refused.value)
     # Without model.pretrained, smaller presets are still the way out.
     lora_profile["model"]["pretrained"] = None
     lora_profile["train"]["finetune"] = "full"

@@ -531,6 +531,8 @@ def refuse_unless_fits(plan: dict) -> None:
     rec = plan["recommendation"]
     if rec:
         hint = f"cheapest fit: {rec['strategy']} ({rec['gpu_gb']:.1f} GB per GPU)"
+    elif req.get("pretrained"):  # the checkpoint is the model: no smaller preset is offered
+        hint = "nothing fits, not even ZeRO-3 with offload"
     else:
         hint = "nothing fits, not even smaller presets with ZeRO-3 and offload"
     what = (

@@ -116,6 +116,7 @@ class Request(memory.Setup):
             "disk_free_bytes": self.disk_free_bytes,
             "disk_source": self.disk_source,
             "nvme_path": self.nvme_path,
+            "pretrained": self.pretrained,
             **memory.inputs(self.config, self),
         }
 
