@@ -39,6 +39,67 @@ STAGES = {
 }
 
 
+# Each command's --help: what it reads and writes (None: its module docstring's first line says
+# that), then the params sections that drive it (as dvc.yaml lists them).
+STAGE_HELP: dict[str, tuple[str | None, str]] = {
+    "pretrained": (None, "model.pretrained, model.revision"),
+    "download": (None, "seed, download"),
+    "tokenizer": (
+        "a byte-level BPE trained on data/raw's train split (or model.pretrained's own "
+        "tokenizer) -> data/tokenizer/.",
+        "seed, tokenizer, model.pretrained",
+    ),
+    "tokenize": (
+        "data/raw + data/tokenizer -> token ids in data/tokens/{split}.parquet.",
+        "tokenize",
+    ),
+    "shard": (
+        "data/tokens -> fixed-size binary shards + index.json per split in data/shards/.",
+        "shard",
+    ),
+    "plan": (
+        "the model, batch and layout of the run (and data/shards' vocabulary, or "
+        "model.pretrained's) -> whether it fits per GPU, printed, and reports/plan.json.",
+        "model, train",
+    ),
+    "doctor": (
+        "this machine (GPUs, NCCL, CUDA, disk, host RAM, cores) checked against the run; writes "
+        "nothing, exits non-zero on a blocker.",
+        "model, train",
+    ),
+    "train": (
+        "data/shards, data/tokenizer and reports/plan.json -> checkpoints/, models/final, "
+        "dvclive/ and metrics/train.json (logs/train.log).",
+        "seed, model, train",
+    ),
+    "evaluate": (None, "seed, evaluate, train.seq_len / device / gpus"),
+    "report": (
+        "metrics/train.json, metrics/eval.json, reports/eval and reports/plan.json -> "
+        "reports/report.{html,md} + reports/figures/.",
+        "none (it reports the params the run used)",
+    ),
+    "export": (
+        "a checkpoint in checkpoints/ -> an HF model, consolidated, in models/export-<tag>/.",
+        "model, train (the run that wrote the checkpoint)",
+    ),
+    "validate": (
+        "params.yaml (+ --profile overlays) validated against the schema; prints the effective "
+        "values, writes nothing.",
+        "all",
+    ),
+    "profile": ("a profile overlay printed as `dvc exp run -S key=value` arguments.", "all"),
+}
+
+
+def stage_help(name: str) -> str:
+    """The --help text of ``python -m dsflow NAME``: reads -> writes, and the params sections."""
+    what, sections = STAGE_HELP[name]
+    if what is None:
+        doc = (importlib.import_module(STAGES[name]).__doc__ or "").strip()
+        what = " ".join(doc.split("\n\n")[0].split()).split(": ", 1)[-1]
+    return f"{what} Params: {sections}."
+
+
 def _profile(args) -> None:
     """Print a profile as `-S key=value` arguments for `dvc exp run`."""
     overlay = params_mod.read_yaml(args.file)
@@ -60,11 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name in STAGES:
-        stage = sub.add_parser(name, help=f"run the {name} stage")
+        stage = sub.add_parser(name, help=f"run the {name} stage", description=stage_help(name))
         if name in ("plan", "export"):
             importlib.import_module(STAGES[name]).add_arguments(stage)
-    sub.add_parser("validate", help="validate the params and print the effective values")
-    prof = sub.add_parser("profile", help="print a profile as `dvc exp run -S` arguments")
+    sub.add_parser(
+        "validate",
+        help="validate the params and print the effective values",
+        description=stage_help("validate"),
+    )
+    prof = sub.add_parser(
+        "profile",
+        help="print a profile as `dvc exp run -S` arguments",
+        description=stage_help("profile"),
+    )
     prof.add_argument("file", help="profile overlay, e.g. profiles/rtx4090x3.yaml")
     return parser
 

@@ -2,7 +2,7 @@
 
 A stage's log, logs/<stage>.log, holds every line the stage and its ranks print, in order: the
 stage's own messages through its logger, the ranks' output through a pump (child_output) that
-copies it to the terminal and appends it to the log line by line. Every writer appends (O_APPEND)
+copies it to the terminal and appends it to the log line by line, less the noise (LogLines). Every writer appends (O_APPEND)
 whole lines, so none overwrites another's.
 """
 
@@ -12,6 +12,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,6 +165,56 @@ def unfinished(rest: bytes) -> bytes:
     return rest[cut + 1 :] if cut >= 0 else rest
 
 
+# Lines the ranks print that look like trouble and are none, left out of the stage's log (the
+# terminal shows what was printed):
+LOG_NOISE = (
+    # DeepSpeed, once per rank, as it loads the CPU op the stage built before the launch.
+    re.compile(rb"deepspeed_shm_comm_op built successfully"),
+    # DeepSpeed's scheduler asked for its lr before the first step: that lr is the schedule's
+    # first, as intended.
+    re.compile(rb"get learning rate from scheduler before it has started"),
+)
+# A Python warning as the warnings module prints it: "PATH:LINE: SomeWarning: message", then the
+# source line it points at, indented.
+WARNING = re.compile(rb"\S+\.py:\d+: \w*Warning: ")
+# The same warning from every rank: torch's "[rank1]:W1206 08:22:25.27 28636 file.py:630] ...",
+# a Python warning (after whatever a progress bar left on its line), a library that did not load.
+REPEATED = re.compile(
+    rb"(?:\[rank\d+\]:)?W\d{4} [\d:.]+ \d+ (?P<torch>.*)"
+    rb"|.*?(?P<python>\w[\w/.+-]*\.py:\d+: \w*Warning: .*)"
+    rb"|(?P<load>Failed to load .*)"
+)
+# Where installed packages live: a path inside one is shown from the package on.
+SITE_PACKAGES = re.compile(rb"(?:/[\w.+-]+)*/?\b(?:site|dist)-packages/")
+
+
+class LogLines:
+    """What the stage's log keeps of its ranks' lines: none of LOG_NOISE; paths into installed
+    packages from the package on; a warning once, as the first rank printed it, without the
+    source line a Python warning prints under itself."""
+
+    def __init__(self):
+        self.seen: set[bytes] = set()
+        self.after_warning = False
+
+    def kept(self, line: bytes) -> bytes | None:
+        """`line` as the log keeps it, or None."""
+        if self.after_warning and line.startswith(b"  "):
+            self.after_warning = False
+            return None  # the source line the warning printed under itself
+        self.after_warning = bool(WARNING.search(line))
+        if any(noise.search(line) for noise in LOG_NOISE):
+            return None
+        line = SITE_PACKAGES.sub(b"", line)
+        repeated = REPEATED.match(line)
+        if repeated:
+            said = next(g for g in repeated.groups() if g is not None)
+            if said in self.seen:
+                return None
+            self.seen.add(said)
+        return line
+
+
 def pump(log_path: str, source: int = 0, terminal: int = 1) -> None:
     """Copy file descriptor `source` to `terminal` as it comes (progress bars stay live) and
     append each whole line to `log_path`. Signals are ignored: when the stage is interrupted or
@@ -172,15 +223,17 @@ def pump(log_path: str, source: int = 0, terminal: int = 1) -> None:
         signal.signal(sig, signal.SIG_IGN)
     out = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     pending = b""
+    keep = LogLines()
     while chunk := os.read(source, 1 << 16):
         with contextlib.suppress(OSError):  # the terminal went away: keep logging
             os.write(terminal, chunk)
         *lines, pending = (pending + chunk).split(b"\n")
         pending = unfinished(pending)
-        if lines:
-            os.write(out, b"".join(f"{stamp()} ".encode() + shown(x) + b"\n" for x in lines))
-    if pending:
-        os.write(out, f"{stamp()} ".encode() + shown(pending) + b"\n")
+        kept = [x for x in (keep.kept(shown(x)) for x in lines) if x is not None]
+        if kept:
+            os.write(out, b"".join(f"{stamp()} ".encode() + x + b"\n" for x in kept))
+    if pending and (last := keep.kept(shown(pending))) is not None:
+        os.write(out, f"{stamp()} ".encode() + last + b"\n")
     os.close(out)
 
 

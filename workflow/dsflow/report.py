@@ -142,39 +142,45 @@ def new_axes(height: float):
     return fig, fig.subplots()
 
 
+def step_label(tokens_per_step: float) -> str:
+    """The x axis of every training figure: the optimizer step, with the tokens one step takes
+    (so a loss against tokens reads off it too)."""
+    return f"step ({tokens_per_step:,.0f} tokens each)"
+
+
 def loss_figure(tokens_per_step: float):
     steps, loss = read_tsv("train/loss")
     if not steps:
         return None
     val_steps, val_loss = read_tsv("val/loss")
     fig, ax = new_axes(3.5)
-    ax.plot([s * tokens_per_step for s in steps], loss, label="train")
+    ax.plot(steps, loss, label="train")
     if val_steps:
-        ax.plot([s * tokens_per_step for s in val_steps], val_loss, "o-", label="val")
-    ax.set(xlabel="tokens", ylabel="loss (nats/token)", title="Loss")
+        ax.plot(val_steps, val_loss, "o-", label="val (train.eval_batches)")
+    ax.set(xlabel=step_label(tokens_per_step), ylabel="loss (nats/token)", title="Loss")
     ax.legend()
     ax.grid(alpha=0.3)
     return fig
 
 
-def lr_figure():
+def lr_figure(tokens_per_step: float):
     steps, lr = read_tsv("train/lr")
     if not steps:
         return None
     fig, ax = new_axes(2.5)
     ax.plot(steps, lr)
-    ax.set(xlabel="step", ylabel="lr", title="Learning rate")
+    ax.set(xlabel=step_label(tokens_per_step), ylabel="lr", title="Learning rate")
     ax.grid(alpha=0.3)
     return fig
 
 
-def throughput_figure():
+def throughput_figure(tokens_per_step: float):
     steps, tokens_per_s = read_tsv("perf/tokens_per_s")
     if not steps:
         return None
     fig, ax = new_axes(3)
     ax.plot(steps, tokens_per_s, label="tokens/s")
-    ax.set(xlabel="step", ylabel="tokens/s", title="Throughput")
+    ax.set(xlabel=step_label(tokens_per_step), ylabel="tokens/s", title="Throughput")
     mfu_steps, mfu = read_tsv("perf/mfu")
     if mfu_steps:
         mfu_ax = ax.twinx()
@@ -219,8 +225,8 @@ def figures(train: dict, eval_details: Path) -> dict:
     tokens_per_step = train["tokens"] / train["step"] if train.get("step") else 1
     drawn = {
         "loss": loss_figure(tokens_per_step),
-        "lr": lr_figure(),
-        "throughput": throughput_figure(),
+        "lr": lr_figure(tokens_per_step),
+        "throughput": throughput_figure(tokens_per_step),
         "memory": memory_figure(train),
         "expert_load": expert_load_figure(eval_details),
     }
@@ -241,9 +247,31 @@ def fmt(value) -> str:
     return str(value)
 
 
+# The stages in the order the DAG runs them; logs of anything else (another node's train log,
+# export) follow, by name.
+DAG_ORDER = (
+    "pretrained",
+    "download",
+    "tokenizer",
+    "tokenize",
+    "shard",
+    "plan",
+    "doctor",
+    "train",
+    "evaluate",
+    "report",
+)
+
+
+def _dag_position(name: str) -> tuple[int, str]:
+    stage = name.split("-")[0]  # train-node1 -> train
+    return (DAG_ORDER.index(stage) if stage in DAG_ORDER else len(DAG_ORDER), name)
+
+
 def stage_times() -> list[list]:
+    """[stage, seconds] of each log in logs/ that holds a finished stage, in DAG order."""
     rows = []
-    for path in sorted(LOGS.glob("*.log")):
+    for path in sorted(LOGS.glob("*.log"), key=lambda p: _dag_position(p.stem)):
         found = re.findall(r"wall_s=([0-9.]+)", path.read_text(errors="replace"))
         if found:
             rows.append([path.stem, f"{float(found[-1]):.1f}"])
@@ -312,11 +340,41 @@ TRAINING_KEYS = (
 )
 
 
-def training_section(train: dict, figure_names: list[str]) -> list[str]:
+def training_val_windows(params: dict | None, train: dict) -> str:
+    """What the training's val_loss is over, in words: the last validation's windows."""
+    cfg = (params or {}).get("train", {})
+    batches, micro, world = cfg.get("eval_batches"), cfg.get("micro_batch"), train.get("world_size")
+    what = "the first train.eval_batches micro-batches per rank of data/shards/val"
+    if all(isinstance(n, int) for n in (batches, micro, world)):
+        what = (
+            f"the first {batches * micro * world} windows of {cfg.get('seq_len')} tokens of "
+            f"data/shards/val (train.eval_batches {batches} x micro batch {micro} x {world} "
+            "rank(s))"
+        )
+    return f"val_loss is the run's last validation, by the model in training, over {what}."
+
+
+def eval_val_windows(params: dict | None, evalm: dict) -> str:
+    """What the evaluation's val_loss is over, in words, and why it differs from training's."""
+    limit = (params or {}).get("evaluate", {}).get("max_windows")
+    where = "every window of data/shards/val"
+    if limit is not None:
+        where = f"the first {limit} windows of data/shards/val (evaluate.max_windows)"
+    tokens = f", {evalm['tokens']:,} tokens" if isinstance(evalm.get("tokens"), int) else ""
+    return (
+        f"val_loss is the exported model's (models/final) over {where}{tokens}: more of the val "
+        "split than training's val_loss, which covers its first train.eval_batches batches, so "
+        "the two differ."
+    )
+
+
+def training_section(train: dict, figure_names: list[str], params: dict | None = None) -> list[str]:
     parts = ["## Training", ""]
     # Unmeasured values (MFU on CPU, where no peak FLOP/s is known) are left out, not "None".
     rows = [[k, fmt(train[k])] for k in TRAINING_KEYS if train.get(k) is not None]
     parts += [md_table(rows, ["metric", "value"]), ""]
+    if train.get("val_loss") is not None:
+        parts += [training_val_windows(params, train), ""]
     predicted = predicted_memory_gb(train)
     if predicted:
         rows = [
@@ -338,13 +396,15 @@ def training_section(train: dict, figure_names: list[str]) -> list[str]:
 FLOOR_KEYS = ("entropy_floor_bpb", "gap_bpb", "ratio_to_floor")
 
 
-def evaluation_section(evalm: dict) -> list[str]:
+def evaluation_section(evalm: dict, params: dict | None = None) -> list[str]:
     rows = [
         [k, fmt(v)]
         for k, v in sorted(evalm.items())
         if k != "lm_eval" and k not in FLOOR_KEYS and v is not None
     ]
     parts = ["## Evaluation", "", md_table(rows, ["metric", "value"]), ""]
+    if evalm.get("val_loss") is not None:
+        parts += [eval_val_windows(params, evalm), ""]
     if "gap_bpb" in evalm:
         parts += [
             f"The model is {evalm['gap_bpb']:.4f} bits/byte above the entropy floor of "
@@ -393,9 +453,10 @@ def stage_times_section() -> list[str]:
     return ["## Wall time per stage", "", md_table(times, ["stage", "seconds"]), ""]
 
 
-def metric_changes(old_metrics: dict, train: dict, evalm: dict) -> list[list]:
-    """[metric, before, now, change] for every number in metrics/{train,eval}.json."""
-    rows = []
+def metric_changes(old_metrics: dict, train: dict, evalm: dict) -> tuple[list[list], int]:
+    """([metric, before, now, change] for every number in metrics/{train,eval}.json that
+    changed, how many numbers did not)."""
+    rows, same = [], 0
     for f, now in ((str(TRAIN_METRICS), train), (str(EVAL_METRICS), evalm)):
         before = old_metrics.get(f, {})
         for k in sorted(set(now) | set(before)):
@@ -405,8 +466,11 @@ def metric_changes(old_metrics: dict, train: dict, evalm: dict) -> list[list]:
                 and isinstance(b, (int, float))
                 and not isinstance(a, bool)
             ):
-                rows.append([f"{Path(f).stem}.{k}", fmt(a), fmt(b), f"{b - a:+.4g}"])
-    return rows
+                if a == b:
+                    same += 1
+                else:
+                    rows.append([f"{Path(f).stem}.{k}", fmt(a), fmt(b), f"{b - a:+.4g}"])
+    return rows, same
 
 
 def comparison_section(params: dict, train: dict, evalm: dict, comparison) -> list[str]:
@@ -420,7 +484,7 @@ def comparison_section(params: dict, train: dict, evalm: dict, comparison) -> li
         for k in sorted(set(new_flat) | set(old_flat))
         if new_flat.get(k) != old_flat.get(k)
     ]
-    rows = metric_changes(old_metrics, train, evalm)
+    rows, same = metric_changes(old_metrics, train, evalm)
     return parts + [
         f"Against commit `{commit[:12]}`.",
         "",
@@ -428,7 +492,9 @@ def comparison_section(params: dict, train: dict, evalm: dict, comparison) -> li
         "",
         md_table(changed, ["param", "before", "now"]) if changed else "none",
         "",
-        md_table(rows, ["metric", "before", "now", "change"]),
+        f"Metrics changed ({len(rows)}; {same} unchanged, not listed):",
+        "",
+        md_table(rows, ["metric", "before", "now", "change"]) if rows else "none",
         "",
     ]
 
@@ -444,8 +510,8 @@ def build_markdown(params, train, evalm, details, prov, comparison, figure_names
         *provenance_section(prov),
         *model_section(params, train),
         *data_section(),
-        *training_section(train, figure_names),
-        *evaluation_section(evalm),
+        *training_section(train, figure_names, params),
+        *evaluation_section(evalm, params),
         *samples_section(details),
         *stage_times_section(),
         *comparison_section(params, train, evalm, comparison),
@@ -464,7 +530,7 @@ STYLE = (
     "body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em;"
     "color:#222}table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;"
     "padding:3px 8px;text-align:left}th{background:#f3f3f3}img{max-width:100%;display:block;"
-    "margin:1em 0}pre{background:#f6f6f6;padding:1em;overflow:auto}h2{border-bottom:1px solid "
+    "margin:1em 0}pre{background:#f6f6f6;padding:1em;white-space:pre-wrap;overflow-wrap:anywhere}h2{border-bottom:1px solid "
     "#ddd;padding-bottom:.2em}"
 )
 # Marks the page with how many images failed to load, for the browser test.
@@ -492,6 +558,38 @@ def markdown_to_html(md: str, images: dict[str, bytes]) -> str:
     )
 
 
+# `dvc plots show/diff` pages load vega, vega-lite and vega-embed from a CDN ({scripts} in
+# dvc-render's page): blank offline. This page inlines the copies Snakemake installs (vega 5.21,
+# vega-lite 5.2, vega-embed 6.20: what DVC's vega-lite 5 specs need) and leaves {scripts} out.
+VEGA_SCRIPTS = ("vega/vega.js", "vega-lite/vega-lite.js", "vega-embed/vega-embed.js")
+PLOTS_PAGE = (
+    "<!DOCTYPE html>\n<html>\n<head>\n{refresh_tag}\n<meta charset='utf-8'>\n"
+    "<title>DVC Plot</title>\n%s\n<style>table{border-spacing:15px}</style>\n</head>\n"
+    "<body>\n{plot_divs}\n</body>\n</html>\n"
+)
+
+
+def vega_scripts() -> list[str]:
+    """The vega scripts' text from Snakemake's installed assets (never downloaded)."""
+    from importlib import resources
+
+    try:
+        base = resources.files("snakemake.assets") / "data"
+        return [(base / name).read_text(encoding="utf-8") for name in VEGA_SCRIPTS]
+    except (ModuleNotFoundError, OSError) as e:
+        raise UsageError(
+            f"no offline copy of vega here ({e}): reinstall snakemake (pip install snakemake), "
+            "whose package carries vega, vega-lite and vega-embed"
+        ) from e
+
+
+def write_plots_template(path: Path) -> None:
+    """An HTML template for `dvc plots show/diff --html-template PATH` that works offline."""
+    scripts = "\n".join(f"<script>\n{js}\n</script>" for js in vega_scripts())
+    with atomic_file(path, "wb") as f:
+        f.write(PLOTS_PAGE.replace("%s", scripts, 1).encode())
+
+
 def run(params: dict) -> None:
     train = read_json(TRAIN_METRICS)
     evalm = read_json(EVAL_METRICS)
@@ -515,3 +613,20 @@ def run(params: dict) -> None:
     with atomic_file(REPORT_HTML) as f:
         f.write(markdown_to_html(md, images))
     log.info("report: %s (and %s)", REPORT_HTML.resolve(), REPORT_MD)
+
+
+if __name__ == "__main__":  # python -m dsflow.report PATH: the offline template for dvc plots
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dsflow.report",
+        description="Write an HTML template for `dvc plots show/diff --html-template PATH` "
+        "with vega, vega-lite and vega-embed inlined (from the installed Snakemake): its "
+        "pages draw offline.",
+    )
+    parser.add_argument("path", type=Path, help="where to write it, e.g. dvc_plots/offline.html")
+    try:
+        write_plots_template(parser.parse_args().path)
+    except UsageError as e:
+        sys.exit(f"python -m dsflow.report: error: {e}")

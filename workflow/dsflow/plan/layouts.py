@@ -386,6 +386,7 @@ def assess(req: request.Request, est: dict | None = None) -> dict[str, Any]:
             disk_free_bytes=req.disk_free_bytes,
             checkpoints=req.checkpoints,
             nvme=req.nvme_path is not None,
+            smaller_presets=not req.pretrained,
         )
     plan = {
         "request": req.record(),
@@ -465,16 +466,20 @@ def smallest_machine(req: request.Request, est: dict) -> dict[str, Any]:
 
 
 def describe_machine(machine_: dict | None) -> str:
-    """The smallest machine as one phrase: "1 x 83.9 GB GPU (A100), 2,700.0 GB host RAM"."""
+    """The smallest machine as one phrase: "1 x A100 with 80 GB (81,920 MiB = 85.9 GB),
+    2,700.0 GB of host RAM, ...": a named card comes with the memory it is sold as."""
     if not machine_:
         return "no machine of up to 8 GPUs in the table holds it"
     host = memory.fmt_gb(machine_["host_bytes"])
     disk = memory.fmt_gb(machine_["disk_bytes"])
     if "cpu_ranks" in machine_:
         return f"{machine_['cpu_ranks']} CPU rank(s) with {host} of host RAM, {disk} of disk"
+    if machine_["gpu"] in request.GPU_MEMORY_BYTES:
+        gpus = request.card(machine_["gpu"])
+    else:  # the asked GPUs: their memory as asked, no card named
+        gpus = f"{memory.fmt_gb(machine_['gpu_mem_bytes'])} GPU(s) ({machine_['gpu']})"
     return (
-        f"{machine_['gpus']} x {memory.fmt_gb(machine_['gpu_mem_bytes'])} GPU(s) "
-        f"({machine_['gpu']}), {host} of host RAM, {disk} of disk: {machine_['strategy']}"
+        f"{machine_['gpus']} x {gpus}, {host} of host RAM, {disk} of disk: {machine_['strategy']}"
     )
 
 
@@ -526,6 +531,8 @@ def refuse_unless_fits(plan: dict) -> None:
     rec = plan["recommendation"]
     if rec:
         hint = f"cheapest fit: {rec['strategy']} ({rec['gpu_gb']:.1f} GB per GPU)"
+    elif req.get("pretrained"):  # the checkpoint is the model: no smaller preset is offered
+        hint = "nothing fits, not even ZeRO-3 with offload"
     else:
         hint = "nothing fits, not even smaller presets with ZeRO-3 and offload"
     what = (
@@ -627,10 +634,15 @@ def first_fit(req: request.Request, host_mem_bytes: int | None) -> tuple[memory.
         if fits:
             return setup, est, fit_reason(z, est, req.gpu_mem_bytes)
     rows = cheapest_fit(
-        req.config, req, gpu_mem_bytes=req.gpu_mem_bytes, host_mem_bytes=host_mem_bytes
+        req.config,
+        req,
+        gpu_mem_bytes=req.gpu_mem_bytes,
+        host_mem_bytes=host_mem_bytes,
+        smaller_presets=not req.pretrained,
     )
     rec = recommendation(rows)
-    hint = f"cheapest fit: {rec['strategy']}" if rec else "nothing fits, not even smaller presets"
+    nothing = "nothing fits" if req.pretrained else "nothing fits, not even smaller presets"
+    hint = f"cheapest fit: {rec['strategy']}" if rec else nothing
     last = "ZeRO-2" if req.no_zero3 else "ZeRO-3"
     msg = (
         f"train.zero_stage: auto: no ZeRO layout fits {req.preset} at micro batch "

@@ -39,6 +39,25 @@ GPU_MEMORY_BYTES: dict[str, int] = {
     "RTX 4090": 24_564 * 2**20,
     "RTX 3090": 24_576 * 2**20,
 }
+# The memory each of those GPUs is sold as ("a 24 GB RTX 4090"): binary gigabytes, rounded as
+# the maker rounds them, so it differs from the GB = 1e9 bytes the plan counts in (24,564 MiB =
+# 25.8e9 bytes). A card is named with this figure (`card`), never with the plan's.
+GPU_NOMINAL_GB: dict[str, int] = {
+    "B200": 180,
+    "H200 SXM": 141,
+    "H200 NVL": 141,
+    "H100 SXM": 80,
+    "H100 NVL": 94,
+    "H100 PCIe": 80,
+    "A100": 80,
+    "L40S": 48,
+    "L40": 48,
+    "L4": 24,
+    "A10": 24,
+    "A10G": 24,
+    "RTX 4090": 24,
+    "RTX 3090": 24,
+}
 # Profile file names (profiles/*.yaml) that name a GPU: substring -> GPU_MEMORY_BYTES key.
 PROFILE_GPUS = (
     ("4090", "RTX 4090"),
@@ -49,6 +68,13 @@ PROFILE_GPUS = (
     ("b200", "B200"),
     ("l40s", "L40S"),
 )
+
+
+def card(name: str) -> str:
+    """A GPU of GPU_MEMORY_BYTES with the memory it is sold as, then the bytes a plan counts:
+    "RTX 4090 with 24 GB (24,564 MiB = 25.8 GB)"."""
+    size = GPU_MEMORY_BYTES[name]
+    return f"{name} with {GPU_NOMINAL_GB[name]} GB ({size // 2**20:,} MiB = {memory.fmt_gb(size)})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +97,8 @@ class Request(memory.Setup):
     disk_free_bytes: int | None = None
     disk_source: str = "unknown"
     nvme_path: str | None = None
+    # model.pretrained: the checkpoint is the model, so no smaller preset is an alternative.
+    pretrained: str | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def record(self) -> dict[str, Any]:
@@ -88,6 +116,7 @@ class Request(memory.Setup):
             "disk_free_bytes": self.disk_free_bytes,
             "disk_source": self.disk_source,
             "nvme_path": self.nvme_path,
+            "pretrained": self.pretrained,
             **memory.inputs(self.config, self),
         }
 
@@ -192,6 +221,7 @@ def _config(
     """(model config, where its vocabulary size came from)."""
     preset, overrides, pretrained = model
     vocab, vocab_source = _arg(args, "vocab"), "--vocab"
+    published = presets.PRESETS[preset].get("published_vocab_size")
     if vocab is None and pretrained:
         try:  # a folder, or a Hub id in the cache (the pretrained stage fetched it)
             folder = source.folder(params["model"])
@@ -199,8 +229,11 @@ def _config(
             notes.append(f"{e}: planned the preset")
         else:
             return load_checkpoint_config(str(folder)), f"model.pretrained {pretrained}"
+        if published:
+            # The train stage builds the checkpoint's embedding (its config's vocab_size), not
+            # one of the local tokenizer's size: the preset's published vocabulary stands in.
+            vocab, vocab_source = published, f"{preset}'s published vocabulary, as model.pretrained"
     tok = params.get("tokenizer", {})
-    published = presets.PRESETS[preset].get("published_vocab_size")
     if vocab is None and published and _arg(args, "model") and not tok.get("pretrained"):
         # An ad-hoc question about a published model: its own vocabulary, not the local
         # tokenizer's (a tokenizer.pretrained or --vocab says otherwise).
@@ -298,7 +331,8 @@ def _gpu_memory(
         smallest = min(used, key=lambda g: g["total_memory"])
         return smallest["total_memory"], f"visible GPU {smallest['name']}"
     if (key := _profile_gpu(args)) is not None:
-        return GPU_MEMORY_BYTES[key], f"profile ({key})"
+        mib = GPU_MEMORY_BYTES[key] // 2**20
+        return GPU_MEMORY_BYTES[key], f"profile: {key} with {GPU_NOMINAL_GB[key]} GB = {mib:,} MiB"
     return None, "unknown"
 
 
@@ -509,5 +543,6 @@ def resolve(
         **_checkpoints(train, dsconfig.Batch(micro, accum, world)),
         **where,
         nvme_path=nvme_path,
+        pretrained=model[2],
         notes=notes,
     )
