@@ -124,11 +124,12 @@ def accumulation_that_hides(
 
 
 def _gpu_name(source: str) -> str | None:
-    """The GPU a request's memory came from ("visible GPU NAME", "profile (NAME)"), if named."""
+    """The GPU a request's memory came from ("visible GPU NAME", "profile: NAME with ..."), if
+    it names one."""
     if source.startswith("visible GPU "):
         return source[len("visible GPU ") :]
-    if source.startswith("profile (") and source.endswith(")"):
-        return source[len("profile (") : -1]
+    if source.startswith("profile: "):
+        return source[len("profile: ") :].split(" with ")[0]
     return None
 
 
@@ -146,4 +147,8 @@ def note(req: Any) -> str | None:
     name = _gpu_name(req.gpu_mem_source) or "RTX 4090"
     peak = flops.peak_flops(name, req.precision) or flops.peak_flops("RTX 4090", req.precision)
     traffic = step_traffic(trained, req.world, req.zero_stage, req.grad_accum, step_flops, peak)
-    return describe(traffic, req.zero_stage, req.grad_accum) + f" (peak: {name})"
+    # The card is named once, in the plan's GPU line; an unnamed one is taken as an RTX 4090.
+    whose = "the GPU's" if _gpu_name(req.gpu_mem_source) else "an RTX 4090's"
+    return describe(traffic, req.zero_stage, req.grad_accum) + (
+        f" (peak: {whose} {peak / 1e12:g} TFLOP/s in {req.precision})"
+    )
