@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dsflow import params as params_mod
+from dsflow import safeload
 from dsflow.atomic import atomic_dir, atomic_file
 from dsflow.data.shards import ShardReader, load_index
 from dsflow.errors import UsageError
@@ -157,7 +158,8 @@ def evaluate_rank(params: dict, device_type: str) -> None:
         torch.cuda.set_device(device)
     cfg = params["evaluate"]
     tokenizer = AutoTokenizer.from_pretrained(FINAL)
-    model = AutoModelForCausalLM.from_pretrained(FINAL).to(device).eval()
+    # safetensors only: a pickled pytorch_model.bin could run code when loaded
+    model = AutoModelForCausalLM.from_pretrained(FINAL, use_safetensors=True).to(device).eval()
     balancer = ExpertBalancer(model, gamma=0.0)
     reader = ShardReader(SHARDS / "val", params["train"]["seq_len"], seed=params["seed"])
     byte_len, exact = token_byte_lengths(tokenizer)
@@ -246,7 +248,18 @@ def check_inputs() -> None:
 def run(params: dict) -> None:
     if not (FINAL / "config.json").exists():
         raise UsageError(f"{FINAL}: no exported model; run the train stage first")
+    if not any(FINAL.glob("*.safetensors")):
+        raise UsageError(
+            f"{FINAL} holds no *.safetensors weights; dsflow loads safetensors only (pickled "
+            "weights can run code): rerun the train stage"
+        )
     check_inputs()
+    # Checked once here, so that damage is one line naming the file, not a wrong score.
+    safeload.check_model_folder(
+        FINAL,
+        "rerun the train stage, which writes it again from its last checkpoint "
+        "(dvc repro -f -s train, or snakemake -f train)",
+    )
     device, world = resolve_device(params["train"])
     if world == 1:
         evaluate_rank(params, device)

@@ -10,6 +10,10 @@ bf16/fp16 run). It runs in one process on CPU (host RAM for the whole fp32 model
 
     python -m dsflow export                       # the newest checkpoint -> models/export-stepN
     python -m dsflow export --tag step00000100 --dtype bf16 --out models/step100
+
+The checkpoint is data, never code: its files' content hashes are checked against its manifest
+first, and they are unpickled with weights_only (dsflow.safeload), so a damaged or planted file
+fails in one line naming it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dsflow import safeload
 from dsflow.errors import UsageError
 from dsflow.model import source
 from dsflow.model.build import load_checkpoint_config, save_hf
@@ -36,15 +41,14 @@ def add_arguments(parser) -> None:
 def consolidated_state_dict(root: Path, tag: str) -> dict[str, Any]:
     """Full fp32 weights and buffers of checkpoint `tag`: from the ZeRO partitions (stage 1-3),
     or the model-states file itself (stage 0, which keeps full weights there)."""
-    import torch
-
     path = root / tag
     if not any(path.glob("*zero_pp_rank_*_optim_states.pt")):
-        state = torch.load(path / ckpt.MODEL_FILE, map_location="cpu", weights_only=False)
+        state = safeload.torch_load(path / ckpt.MODEL_FILE, map_location="cpu")
         return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    with safeload.weights_only():  # DeepSpeed's loads ask for weights_only=False
+        return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
 
 
 def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> Path:
@@ -110,10 +114,10 @@ def _export_lora(root: Path, tag: str, out: Path, dtype: str, params: dict) -> P
 
 def run(params: dict, args: Any = None) -> None:
     root = ckpt.CHECKPOINTS
-    tag = getattr(args, "tag", None) or ckpt.resume_tag(root)
+    tag = getattr(args, "tag", None) or ckpt.resume_tag(root, note=log.info, content=True)
     if not tag:
-        raise UsageError(f"{root}/ holds no complete checkpoint; run the train stage first")
-    problem = ckpt.validate_tag(root, tag, elastic=True)
+        raise UsageError(f"{root}/ holds no intact checkpoint; run the train stage first")
+    problem = ckpt.validate_tag(root, tag, elastic=True, content=True)
     if problem:
         raise UsageError(f"checkpoint {root}/{tag}: {problem}")
     dtype = getattr(args, "dtype", None) or "fp32"

@@ -62,6 +62,7 @@ rule tokenizer:
             "errors.py",
             "paths.py",
             "progress.py",
+            "safeload.py",
         ),
         "data/raw",
         "data/pretrained.json",

@@ -15,6 +15,7 @@ rule evaluate:
             "params.py",
             "paths.py",
             "progress.py",
+            "safeload.py",
         ),
         "models/final",
         "data/shards",

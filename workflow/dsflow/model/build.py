@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dsflow import safeload
 from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
 from dsflow.model import fp8, mtp, source
@@ -283,7 +284,8 @@ def load_checkpoint_config(pretrained: str) -> Any:
 
 def save_hf(module: Any, out: str | os.PathLike, tokenizer: str | os.PathLike, state_dict=None):
     """An HF model folder (what `AutoModelForCausalLM.from_pretrained` loads), written atomically:
-    the module's config and weights as safetensors, in the module's dtype, and the tokenizer.
+    the module's config and weights as safetensors, in the module's dtype, and the tokenizer,
+    with every file's content hash (safeload.RECORD, checked before the folder is loaded).
     ``state_dict`` replaces the module's own weights (ZeRO-3 gathers them from every rank).
     Multi-token prediction modules (``module.mtp``) go into a shard of their own under the
     published checkpoint's names (``model.layers.{num_hidden_layers + k - 1}.*``), which
@@ -300,6 +302,8 @@ def save_hf(module: Any, out: str | os.PathLike, tokenizer: str | os.PathLike, s
         if extra:
             _add_shard(Path(tmp), MTP_SHARD, extra)
         AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
+        # safetensors writes the file itself, so the hashes are read back once, here.
+        safeload.record_folder(tmp)
 
 
 # The shard of a saved model that holds its multi-token prediction weights.

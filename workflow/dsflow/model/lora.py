@@ -195,6 +195,7 @@ def save_final(
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
+    from dsflow import safeload
     from dsflow.atomic import atomic_dir
 
     biases = {
@@ -211,6 +212,7 @@ def save_final(
             save_file(biases, str(adapter / BIASES))
         merged(load(base, adapter, dtype)).save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
+        safeload.record_folder(tmp)  # every file's content hash, checked before a load
 
 
 def load(base: str, adapter: Any, dtype: str | None = None) -> Any:

@@ -23,6 +23,7 @@ all-gather of the updated weights follows the optimizer step, with nothing to hi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # PCIe 4.0 x8, about 12 GB/s one way in practice: three cards on a consumer board share its
 # CPU's lanes (x16/x8/x8 or x8/x8/x4), and without peer-to-peer every byte goes through host
@@ -120,3 +121,29 @@ def accumulation_that_hides(
         if traffic.share <= share:
             return accum
     return None
+
+
+def _gpu_name(source: str) -> str | None:
+    """The GPU a request's memory came from ("visible GPU NAME", "profile (NAME)"), if named."""
+    if source.startswith("visible GPU "):
+        return source[len("visible GPU ") :]
+    if source.startswith("profile (") and source.endswith(")"):
+        return source[len("profile (") : -1]
+    return None
+
+
+def note(req: Any) -> str | None:
+    """The plan's line on communication for a request (dsflow.plan.request.Request) on several
+    GPUs: what its layout sends, against its compute on the GPU it names (an RTX 4090's
+    datasheet peak where it names none: the classic setup's card). None on one rank or CPU."""
+    from dsflow.model import flops, presets
+
+    if req.device != "cuda" or req.world <= 1:
+        return None
+    trained = req.lora_adapter or presets.param_counts(req.config)["total"]
+    tokens = req.micro_batch * req.grad_accum * req.seq_len
+    step_flops = flops.flops_per_token(req.config, req.seq_len) * tokens
+    name = _gpu_name(req.gpu_mem_source) or "RTX 4090"
+    peak = flops.peak_flops(name, req.precision) or flops.peak_flops("RTX 4090", req.precision)
+    traffic = step_traffic(trained, req.world, req.zero_stage, req.grad_accum, step_flops, peak)
+    return describe(traffic, req.zero_stage, req.grad_accum) + f" (peak: {name})"

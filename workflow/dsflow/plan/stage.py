@@ -28,7 +28,7 @@ from dsflow.atomic import atomic_file
 from dsflow.errors import UsageError
 from dsflow.model import presets
 from dsflow.paths import PLAN
-from dsflow.plan import layouts, memory, request, tables
+from dsflow.plan import batch, comm, layouts, memory, request, tables
 from dsflow.progress import log
 
 
@@ -116,6 +116,7 @@ def build_plan(
             "in params.yaml: train.perf.activation_checkpointing: true; "
             "train.offload.optimizer / train.offload.param: cpu (params need ZeRO-3)"
         )
+    notes += [line for line in (comm.note(req), _micro_note(req, plan)) if line]
     table = tables.plan_rows(
         req.config,
         req,
@@ -129,6 +130,19 @@ def build_plan(
         "notes": notes,
         "overhead": dataclasses.asdict(memory.FRAMEWORK_OVERHEAD),
     }
+
+
+def _micro_note(req: request.Request, plan: dict) -> str | None:
+    """Where the request fits as asked: a larger micro batch that still fits, at the same global
+    batch (dsflow.plan.batch)."""
+    if req.device != "cuda" or not plan["verdict"]["fits"]:
+        return None
+
+    def fits(est: dict) -> bool:
+        disk = (req.disk_free_bytes, req.checkpoints)
+        return layouts.verdict(est, req.gpu_mem_bytes, req.host_mem_bytes, disk)[0]
+
+    return batch.note(req.config, req, fits)
 
 
 class NothingFits(UsageError):

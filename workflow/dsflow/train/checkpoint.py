@@ -11,9 +11,16 @@ Saving is atomic (see docs/reliability.md). DeepSpeed's `save_checkpoint(dir, ta
 directory rank by rank and then `latest`, with no barrier in between: a kill at the wrong moment
 leaves `latest` naming a torn tag. dsflow saves into a temporary tag (`.tmp-stepNNNNNNNN`), and
 only after every rank has finished does rank 0 write a manifest (`dsflow_checkpoint.json`: every
-file and its size), fsync, rename the temp tag to its final name and atomically replace `latest`.
-So a `stepNNNNNNNN` directory is complete by construction; resume still validates it
-(`validate_tag`) and falls back to the newest complete tag when the one `latest` names is not.
+file, its size and its xxh3-128 content hash, which the ranks' checkpoint engine took while
+writing: dsflow.train.ckptengine), fsync, rename the temp tag to its final name and atomically
+replace `latest`. So a `stepNNNNNNNN` directory is complete by construction; resume still
+validates it (`validate_tag`; the train stage checks the content hashes too) and falls back to
+the newest intact tag when the one `latest` names is not.
+
+The files are data, never code: the ranks load them weights-only (dsflow.safeload). A tag they
+cannot load anyway (pickled code, damage in a file without a hash, another model's shapes) ends
+the run in one line and is marked (`UNLOADABLE`), so that the next run resumes from the one
+before instead of failing the same way.
 
 The ranks save with `save` and resume with `resume`; the rest of this module is what the train
 stage needs to pick, check and convert a tag.
@@ -42,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from dsflow import safeload
 from dsflow.atomic import atomic_file, fsync_dir
 from dsflow.errors import UsageError
 from dsflow.params import fp8_on
@@ -51,6 +59,9 @@ from dsflow.train.health import EXIT_FATAL, report_fatal
 TAG_PREFIX = "step"
 TEMP_PREFIX = ".tmp-"
 MANIFEST = "dsflow_checkpoint.json"
+HASHES = safeload.HASH  # the manifest's key for every file's content hash
+# Written into a tag that the ranks failed to load: it is never picked again.
+UNLOADABLE = "dsflow_unloadable.txt"
 MODEL_FILE = "mp_rank_00_model_states.pt"
 # ZeRO-3 saves one model-states file per rank instead of MODEL_FILE.
 ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
@@ -168,10 +179,13 @@ def validate_tag(
     world: int | None = None,
     zero: bool | None = None,
     elastic: bool = False,
+    content: bool = False,
 ) -> str | None:
     """None when `root/tag` is a complete checkpoint, else what is wrong with it.
 
-    Complete: its manifest lists files that all exist with their recorded sizes, and the layout
+    Complete: its manifest lists files that all exist with their recorded sizes (`content`: and
+    their content hashes, which reads every file; a manifest of an older dsflow has none), it
+    was not marked unloadable by a run that tried (UNLOADABLE), and the layout
     is DeepSpeed's (mp_rank_00_model_states.pt, or ZeRO-3's zero_pp_rank_R_..._model_states.pt
     per rank R, plus one zero_pp_rank_R_..._optim_states.pt per rank R when the optimizer is
     partitioned, `zero`). A tag without a manifest (saved by an older dsflow, or by DeepSpeed
@@ -181,6 +195,8 @@ def validate_tag(
     path = root / tag
     if not path.is_dir():
         return "no such directory"
+    if (path / UNLOADABLE).exists():
+        return f"a run could not load it before (see {tag}/{UNLOADABLE})"
     manifest = path / MANIFEST
     if manifest.exists():
         try:
@@ -195,6 +211,10 @@ def validate_tag(
                 return f"{name} missing"
             if actual != size:
                 return f"{name} is {actual} bytes, the manifest says {size} (truncated)"
+        if content:
+            problem = _content_problem(path, info.get(HASHES))
+            if problem:
+                return problem
         if elastic and isinstance(info.get("world"), int):
             world = info["world"]
         if world is not None and info.get("world", world) != world:
@@ -207,29 +227,56 @@ def validate_tag(
     return _structure_problem(names, world, zero)
 
 
+def _content_problem(path: Path, hashes: Any) -> str | None:
+    """The first file of tag `path` whose content hash differs from the manifest's (`hashes`,
+    None for a manifest without them), or None."""
+    if not isinstance(hashes, dict):
+        return None
+    for name, digest in sorted(hashes.items()):
+        try:
+            actual = safeload.file_hash(path / name)
+        except OSError as e:
+            return f"{name} unreadable ({e.strerror})"
+        if actual != digest:
+            return f"{name} is corrupted (its content hash differs from the manifest's)"
+    return None
+
+
 def resume_tag(
     root: Path = CHECKPOINTS,
     world: int | None = None,
     zero: bool | None = None,
     note: Callable[[str], None] = lambda msg: None,
+    content: bool = False,
 ) -> str | None:
     """The checkpoint to resume from: the newest complete tag, normally the one `latest` names.
 
-    `note` receives one line whenever the choice differs from `latest` (a torn or missing tag,
-    or a newer complete tag that `latest` was not moved to because the save was interrupted
-    between the rename and the `latest` update).
+    `note` receives one line whenever the choice differs from `latest` (a torn, damaged or
+    missing tag, or a newer complete tag that `latest` was not moved to because the save was
+    interrupted between the rename and the `latest` update). `content`: the newest complete
+    tags' content hashes are checked too, newest first, until one is intact (what the train
+    stage does before launch); `note` names each damaged one.
     """
     named = None
     with contextlib.suppress(OSError, UnicodeDecodeError):
         named = (root / "latest").read_text().strip() or None
-    problems = {}
-    complete = []
+    problems, complete = {}, []
+    damaged = {tag for tag in tags(root) if (root / tag / UNLOADABLE).exists()}
     for tag in tags(root):
         problem = validate_tag(root, tag, world, zero, elastic=True)
         if problem:
             problems[tag] = problem
         else:
             complete.append(tag)
+    while content and complete:
+        problem = validate_tag(root, complete[-1], world, zero, elastic=True, content=True)
+        if not problem:
+            break
+        tag = complete.pop()
+        problems[tag] = problem
+        damaged.add(tag)
+        if tag != named:
+            note(f"checkpoint {tag} is damaged ({problem}): not resuming from it")
     best = complete[-1] if complete else None
     if named is None:
         if best:
@@ -240,7 +287,8 @@ def resume_tag(
     if named == best:
         return best
     if named in problems:
-        why = f"{named}, which is incomplete ({problems[named]})"
+        state = "damaged" if named in damaged else "incomplete"
+        why = f"{named}, which is {state} ({problems[named]})"
     elif named in complete:
         why = f"{named}, but the newer {best} is complete (a save stopped before moving latest)"
     else:
@@ -275,6 +323,7 @@ def to_universal(root: Path, tag: str) -> str:
             [
                 sys.executable,
                 "-m",
+                "dsflow.safeload",  # which runs it with every torch.load weights-only
                 "deepspeed.checkpoint.ds_to_universal",
                 "--input_folder",
                 str(root / tag),
@@ -293,6 +342,12 @@ def to_universal(root: Path, tag: str) -> str:
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
             shutil.rmtree(tmp, ignore_errors=True)
+            if proc.returncode == safeload.EXIT_REFUSED:  # a file no run can load
+                path, _, reason = last.removeprefix("error: ").partition(": ")
+                refused = safeload.CheckpointError(path, reason)
+                line = unloadable_line(refused, tag, previous_tag(root, tag, None, None))
+                mark_unloadable(root, tag, line)
+                raise UsageError(line)
             raise UsageError(
                 f"cannot convert checkpoint {tag} to a universal checkpoint for a resume on "
                 f"another number of ranks (deepspeed.checkpoint.ds_to_universal: {last}); "
@@ -310,17 +365,29 @@ def set_latest(root: Path, tag: str) -> None:
     fsync_dir(root)
 
 
-def write_manifest(root: Path, tmp: str, step: int, world: int, zero: bool) -> None:
-    """Record every file of the (temporary) tag with its size, after fsyncing each."""
+def write_manifest(
+    root: Path, tmp: str, step: int, world: int, zero: bool, hashes: dict | None = None
+) -> None:
+    """Record every file of the (temporary) tag with its size and content hash, after fsyncing
+    each. `hashes` ({name: [size, hash]}) are what the ranks' checkpoint engine hashed while
+    writing (dsflow.train.ckptengine); a file it did not write (another checkpoint engine chosen
+    in a user's ds_config) is read once more here to be hashed."""
     path = root / tmp
-    files = {}
+    hashes = hashes or {}
+    files, digests = {}, {}
     for file in sorted(path.iterdir()):
         if file.is_file() and file.name != MANIFEST:
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
             files[file.name] = file.stat().st_size
+            written = hashes.get(file.name)
+            if written and written[0] == files[file.name]:
+                digests[file.name] = written[1]
+            else:
+                digests[file.name] = safeload.file_hash(file)
+    info = {"step": step, "world": world, "zero": zero, "files": files, HASHES: digests}
     with atomic_file(path / MANIFEST) as f:
-        json.dump({"step": step, "world": world, "zero": zero, "files": files}, f, indent=1)
+        json.dump(info, f, indent=1)
     fsync_dir(path)
 
 
@@ -510,9 +577,15 @@ def save(run: Any, spec: Any, step: int, health: dict, faults: Any, last_good: s
                 exclude_frozen_parameters=spec.lora_on,
             )
         faults.in_save(step)
-        dist.barrier()
+        # Every rank's files are written once this returns (it replaces a barrier): rank 0
+        # records the hashes each rank took while writing.
+        written: list = [None] * spec.world
+        take = getattr(engine.checkpoint_engine, "take_hashes", dict)
+        dist.all_gather_object(written, take())
         if run.rank == 0:
-            write_manifest(CHECKPOINTS, tmp, step, spec.world, bool(engine.save_zero_checkpoint))
+            hashes = {k: v for part in written for k, v in part.items()}
+            zero = bool(engine.save_zero_checkpoint)
+            write_manifest(CHECKPOINTS, tmp, step, spec.world, zero, hashes)
             commit(CHECKPOINTS, tmp, tag)
     except (OSError, RuntimeError) as e:
         message = save_failure(e, tag, last_good, run.rank)
@@ -531,18 +604,19 @@ def save(run: Any, spec: Any, step: int, health: dict, faults: Any, last_good: s
 
 def resume(run: Any, spec: Any) -> tuple[int, dict | None]:
     """Load spec.resume into the engine (weights, optimizer, RNG, expert biases); returns the
-    step it saved and the run's health state (0 and None for a fresh run)."""
+    step it saved and the run's health state (0 and None for a fresh run).
+
+    Every file is unpickled without running code (dsflow.safeload). A checkpoint that cannot be
+    loaded (pickled code, a damaged file, shapes of another model) ends the run with one line
+    naming the tag and the file, and is marked so that a rerun resumes from the one before."""
     if not spec.resume:
         return 0, None
-    _, client = run.engine.load_checkpoint(
-        str(CHECKPOINTS), tag=spec.resume, load_module_strict=not spec.lora_on
-    )
-    if len(client["rng"]) == spec.world:
-        set_rng_state(client["rng"][run.rank])
-    if "expert_bias" in client:
-        # A universal checkpoint (another world size) restores parameters only, not the
-        # module's buffers: the router biases come from the client state.
-        run.balancer.load_bias_state(client["expert_bias"])
+    client, error = None, None
+    try:
+        client = _load(run, spec)
+    except Exception as e:  # noqa: BLE001 - whatever the files make DeepSpeed raise
+        error = e
+    _leave_unless_all_loaded(error, spec, run)
     run.balancer.sync_bias()
     if run.rank == 0:
         saved = len(client["rng"])
@@ -660,3 +734,107 @@ def drop_previous(root: Path, keep: int) -> list[str]:
     for name in removed:
         shutil.rmtree(root / PREVIOUS / name)
     return removed
+
+
+def _load(run: Any, spec: Any) -> dict:
+    """spec.resume into the engine, weights-only; its client state, RNG and biases applied."""
+    with safeload.weights_only():
+        _, client = run.engine.load_checkpoint(
+            str(CHECKPOINTS), tag=spec.resume, load_module_strict=not spec.lora_on
+        )
+    if client is None:
+        raise ValueError("DeepSpeed found no checkpoint to load")
+    if len(client["rng"]) == spec.world:
+        set_rng_state(client["rng"][run.rank])
+    if "expert_bias" in client:
+        # A universal checkpoint (another world size) restores parameters only, not the
+        # module's buffers: the router biases come from the client state.
+        run.balancer.load_bias_state(client["expert_bias"])
+    return client
+
+
+def _peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` is another rank's failure (or memory) seen from here, not this rank's
+    trouble with the checkpoint's files."""
+    import torch
+    import torch.distributed as dist
+
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError, dist.DistError)):
+        return True
+    text = str(exc).lower()
+    return any(s in text for s in ("connection closed by peer", "connection reset", "gloo"))
+
+
+def _leave_unless_all_loaded(error: BaseException | None, spec: Any, run: Any) -> None:
+    """Return when every rank loaded the checkpoint; else leave: a rank that failed says why in
+    one line (the first one's wins) and marks the tag unloadable (not for memory or a peer's
+    failure).
+
+    ZeRO-0/1/2 ranks read the same files and DeepSpeed runs no collective while loading them:
+    there the ranks agree (one all-reduce) whether any failed and all leave together, cleanly
+    under the train stage (which prints the line). ZeRO-3 and universal checkpoints are read
+    rank by rank between DeepSpeed's collectives, so a rank that failed leaves at once and the
+    launcher stops the others (an agreement could meet a peer inside another collective)."""
+    import torch
+    import torch.distributed as dist
+
+    if error is not None:
+        _report_unloadable(error, spec, run.rank)
+    agreed = False
+    if not spec.zero3 and not spec.resume.endswith(f"/{UNIVERSAL}"):
+        try:
+            flag = torch.tensor([0 if error is None else 1], device=run.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            agreed = True
+            if flag.item() and error is None:
+                error = RuntimeError("another rank could not load the checkpoint")
+        except Exception as e:  # noqa: BLE001 - a peer left in the middle of loading
+            error = error or e
+    if error is None:
+        return
+    sys.stderr.flush()
+    os._exit(0 if agreed and os.environ.get("DSFLOW_STATUS_FILE") else EXIT_FATAL)
+
+
+def _report_unloadable(error: BaseException, spec: Any, rank: int) -> None:
+    tag = spec.resume.split("/")[0]  # "stepN/universal" was converted from stepN
+    if _peer_failure(error):
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        report_fatal(f"rank {rank} stopped while loading checkpoint {tag}: {reason}")
+        return
+    zero = True if spec.ds_config["zero_optimization"].get("stage", 0) else None
+    line = unloadable_line(error, tag, previous_tag(CHECKPOINTS, tag, spec.world, zero))
+    mark_unloadable(CHECKPOINTS, tag, line)
+    report_fatal(line)
+
+
+def unloadable_line(exc: BaseException, tag: str, nxt: str | None) -> str:
+    """One line: which checkpoint could not be loaded, from which file, and what a rerun does."""
+    file = exc.path if isinstance(exc, safeload.CheckpointError) else safeload.last_file
+    where = "loading it"
+    if file:  # relative to the tag (a universal checkpoint's files are in sub-folders)
+        parts = Path(file).parts
+        where = "/".join(parts[parts.index(tag) + 1 :]) if tag in parts else file
+    if isinstance(exc, safeload.CheckpointError):
+        reason = exc.reason
+    else:
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+    rerun = f"a rerun resumes from {nxt}" if nxt else "a rerun starts from step 0"
+    return (
+        f"cannot load checkpoint {tag} ({where}: {reason}); it is marked unloadable "
+        f"({CHECKPOINTS}/{tag}/{UNLOADABLE}) and {rerun}"
+    )
+
+
+def mark_unloadable(root: Path, tag: str, line: str) -> None:
+    """Keep resume_tag from picking `tag` again (the first reason stays)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(root / tag / UNLOADABLE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(line + "\n")
+
+
+def previous_tag(root: Path, tag: str, world: int | None, zero: bool | None) -> str | None:
+    """The newest complete tag older than `tag` (sizes and layout only)."""
+    older = [t for t in tags(root) if t < tag]
+    return next((t for t in reversed(older) if not validate_tag(root, t, world, zero, True)), None)

@@ -213,7 +213,9 @@ def _pick_resume(root: Path, spec: dict) -> tuple[Path | None, str | None]:
     """(where this run's checkpoints are: `root`, a moved-aside run in previous/, or None to
     start fresh; the tag to resume there). Reads only; refuses in one line."""
     zero = zero_partitioned(spec)
-    resume = ckpt.resume_tag(root, spec["world"], zero, note=log.info)
+    # Every file's content hash is checked here, before launch: a damaged tag never reaches
+    # the ranks, and the newest intact one is resumed instead.
+    resume = ckpt.resume_tag(root, spec["world"], zero, note=log.info, content=True)
     if resume and _previous_fingerprint(root) == spec["fingerprint"]:
         check_optimizer(root, spec)
         return root, resume
@@ -223,7 +225,7 @@ def _pick_resume(root: Path, spec: dict) -> tuple[Path | None, str | None]:
         check_layout(root, spec)
     name = ckpt.kept_run(root, spec["fingerprint"])
     kept = root / ckpt.PREVIOUS / name if name else None
-    resume = ckpt.resume_tag(kept, spec["world"], zero) if kept else None
+    resume = ckpt.resume_tag(kept, spec["world"], zero, content=True) if kept else None
     if not resume:
         return None, None
     check_optimizer(kept, spec)
