@@ -242,6 +242,9 @@ def tsv(repo, name):
 def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from dsflow.data.shards import ShardReader
+    from dsflow.model.loss import evaluate_loss
+
     full = tmp_path / "full"
     shutil.copytree(
         prepared, full, ignore=shutil.ignore_patterns("checkpoints", "models", "dvclive", "metrics")
@@ -266,8 +269,21 @@ def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared
     final = full / "models/final"
     index = json.loads((final / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.4.eh_proj.weight" in index
-    exported = AutoModelForCausalLM.from_pretrained(final)
-    assert exported.config.num_nextn_predict_layers == 1
+    plain = AutoModelForCausalLM.from_pretrained(final)
+    assert plain.config.num_nextn_predict_layers == 1
+    reader = ShardReader(full / "data/shards/val", 32, seed=1234)
+    total, count = evaluate_loss(plain, reader, micro=2, device=torch.device("cpu"), max_windows=4)
+    assert total / count == pytest.approx(metrics["val_loss"], rel=1e-5)
+
+    # `dsflow export` of the last checkpoint, and a run continuing from it, keep the MTP weights.
+    dsflow("export", "--out", "models/export", cwd=full)
+    config = model_config("tiny", plain.config.vocab_size, {})
+    trained = build_model(config, device_type="cpu", pretrained=str(final), mtp_depth=1)
+    again = build_model(
+        config, device_type="cpu", pretrained=str(full / "models/export"), mtp_depth=1
+    )
+    want, got = trained.mtp.state_dict(), again.mtp.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
 
     v2 = tmp_path / "v2"
     shutil.copytree(prepared, v2, ignore=shutil.ignore_patterns("checkpoints", "models"))
