@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import dsflow, rewound_copy, tiny_v2, update_params
+from conftest import ROOT, dsflow, rewound_copy, tiny_v2, update_params
 from dsflow.errors import UsageError
+from dsflow.model import mtp
 from dsflow.model.build import build_model, check_mtp, save_hf
 from dsflow.model.loss import TrainingLM, mean_loss
 from dsflow.model.presets import model_config
@@ -72,6 +73,22 @@ def test_the_loss_is_the_reports_equations(ce_chunk):
     torch.testing.assert_close(trainee.last_losses[1:], torch.stack(depths).detach())
     # The main loss is the one validation measures.
     torch.testing.assert_close(trainee.last_losses[0], mean_loss(hf, w[:, :-1], w[:, 1:]))
+
+
+def test_the_two_phase_weight_switches_at_its_fraction_of_the_run():
+    hf = tiny(1)
+    w = windows()
+    phases = {"first": 0.3, "then": 0.1, "switch_fraction": 0.5}
+    trainee = TrainingLM(hf, mtp_weight=phases, steps=10)
+    seen = {}
+    for step in (1, 5, 6, 10):
+        trainee.step_begins(step)
+        seen[step] = trainee.mtp_weight
+        got = trainee(w[:, :-1], w[:, 1:])
+        main, depth = trainee.last_losses
+        torch.testing.assert_close(got.detach(), main + seen[step] * depth)
+    assert seen == {1: 0.3, 5: 0.3, 6: 0.1, 10: 0.1}
+    assert mtp.weight_at(0.2, 7, 10) == 0.2
 
 
 def test_gradients_reach_the_shared_embedding_and_head_and_every_mtp_weight():
@@ -213,6 +230,13 @@ def test_a_bad_depth_names_the_key():
         params_mod.validate({"model": {"mtp_depth": -1}})
     with pytest.raises(UsageError, match="train.mtp.weight"):
         params_mod.validate({"train": {"mtp": {"weight": "high"}}})
+    with pytest.raises(UsageError, match="train.mtp.weight"):
+        params_mod.validate({"train": {"mtp": {"weight": {"first": 0.3, "switch_fraction": 1}}}})
+    phases = {"first": 0.3, "then": 0.1, "switch_fraction": 0.676}
+    raw = params_mod.read_yaml(ROOT / "params.yaml")
+    overlay = {"train": {"mtp": {"weight": phases}}}
+    filled = params_mod.validate(params_mod.deep_merge(raw, overlay))
+    assert filled["train"]["mtp"] == {"weight": phases} and filled["model"]["mtp_depth"] == 0
 
 
 RUN = {
@@ -291,3 +315,7 @@ def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared
     update_params(v2, {"model": {"preset": "deepseek-v2-lite", "overrides": tiny_v2()}})
     proc = dsflow("train", cwd=v2, check=False, timeout=300)
     assert proc.returncode == 2 and "model.mtp_depth 1" in proc.stderr
+    update_params(v2, {"model": {"preset": "tiny", "overrides": {}, "pretrained": str(final)}})
+    update_params(v2, {"train": {"finetune": "lora"}})
+    proc = dsflow("train", cwd=v2, check=False, timeout=300)
+    assert proc.returncode == 2 and "model.mtp_depth" in proc.stderr.strip().splitlines()[-1]

@@ -11,6 +11,7 @@ Training goes through `TrainingLM`, whose forward is the loss, optionally fused 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 
@@ -142,18 +143,27 @@ class TrainingLM(torch.nn.Module):
     With multi-token prediction (`hf.mtp`, :mod:`dsflow.model.mtp`, held here as `mtp`) the
     loss is main + mtp_weight / D * sum_k L_k, each L_k through the same head as the main
     loss; `last_losses` then holds the step's [main, L_1, ..., L_D], detached, for the logs.
+    `mtp_weight` is train.mtp.weight: a number or its two phases over `steps` optimizer steps
+    (`step_begins` picks the step's).
     """
 
-    def __init__(self, hf, ce_chunk: int = 0, mtp_weight: float = 0.3):
+    def __init__(self, hf, ce_chunk: int = 0, mtp_weight: float | dict = 0.3, steps: int = 1):
         super().__init__()
+        from dsflow.model.mtp import weight_at
+
         self.model = hf.model
         self.lm_head = hf.lm_head
         self.mtp = getattr(hf, "mtp", None)
-        self.mtp_weight = float(mtp_weight)
+        self._mtp_weight_at = functools.partial(weight_at, mtp_weight, steps=steps)
+        self.mtp_weight = self._mtp_weight_at(1)
         self.last_losses: torch.Tensor | None = None
         self.ce_chunk = int(ce_chunk)
         self.loss_scale: Callable[[], float] | None = None
         object.__setattr__(self, "hf", hf)  # not a submodule: no second name for each weight
+
+    def step_begins(self, step: int) -> None:
+        """Optimizer step `step` (from 1) begins: its train.mtp.weight."""
+        self.mtp_weight = self._mtp_weight_at(step)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, **kwargs):
         """The mean token NLL with `targets`; without, the HF model's output (validation goes

@@ -130,6 +130,8 @@ def train_step(run: engine.Run, loader: BatchLoader, step: int, hooks: Hooks):
     parts = run.engine.module.mtp is not None
     depth = len(run.engine.module.mtp.layers) if parts else 0
     loss_sum = torch.zeros((2 + depth,) if parts else (), device=run.device, dtype=torch.float64)
+    if parts:
+        run.engine.module.step_begins(step)
     data_wait = 0.0
     for micro in range(loader.accum):
         hooks.mark("data")
