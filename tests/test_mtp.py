@@ -13,9 +13,8 @@ import torch.nn.functional as F
 
 from conftest import ROOT, dsflow, rewound_copy, tiny_v2, update_params
 from dsflow.errors import UsageError
-from dsflow.model import mtp
 from dsflow.model.build import build_model, check_mtp, save_hf
-from dsflow.model.loss import TrainingLM, mean_loss
+from dsflow.model.loss import TrainingLM, mean_loss, mtp_weight_at
 from dsflow.model.presets import model_config
 
 VOCAB = 96
@@ -88,7 +87,7 @@ def test_the_two_phase_weight_switches_at_its_fraction_of_the_run():
         main, depth = trainee.last_losses
         torch.testing.assert_close(got.detach(), main + seen[step] * depth)
     assert seen == {1: 0.3, 5: 0.3, 6: 0.1, 10: 0.1}
-    assert mtp.weight_at(0.2, 7, 10) == 0.2
+    assert mtp_weight_at(0.2, 7, 10) == 0.2
 
 
 def test_gradients_reach_the_shared_embedding_and_head_and_every_mtp_weight():

@@ -130,6 +130,16 @@ def unpacked_windows():
         masking_utils.find_packed_sequence_indices = original
 
 
+def mtp_weight_at(setting: float | dict, step: int, steps: int) -> float:
+    """train.mtp.weight at optimizer step `step` (from 1) of `steps`: a number, or DeepSeek-V3's
+    two phases ``{first, then, switch_fraction}``: `first` through step switch_fraction x
+    steps, `then` after it."""
+    if isinstance(setting, dict):
+        late = step > setting["switch_fraction"] * steps
+        return float(setting["then"] if late else setting["first"])
+    return float(setting)
+
+
 class TrainingLM(torch.nn.Module):
     """What DeepSpeed trains: forward(inputs, targets) -> mean token NLL.
 
@@ -149,12 +159,10 @@ class TrainingLM(torch.nn.Module):
 
     def __init__(self, hf, ce_chunk: int = 0, mtp_weight: float | dict = 0.3, steps: int = 1):
         super().__init__()
-        from dsflow.model.mtp import weight_at
-
         self.model = hf.model
         self.lm_head = hf.lm_head
         self.mtp = getattr(hf, "mtp", None)
-        self._mtp_weight_at = functools.partial(weight_at, mtp_weight, steps=steps)
+        self._mtp_weight_at = functools.partial(mtp_weight_at, mtp_weight, steps=steps)
         self.mtp_weight = self._mtp_weight_at(1)
         self.last_losses: torch.Tensor | None = None
         self.ce_chunk = int(ce_chunk)

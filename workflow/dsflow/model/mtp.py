@@ -36,16 +36,6 @@ from dsflow.errors import UsageError
 SHARED_KEYS = ("embed_tokens.weight", "shared_head.head.weight")
 
 
-def weight_at(setting: float | dict, step: int, steps: int) -> float:
-    """train.mtp.weight at optimizer step `step` (from 1) of `steps`: a number, or DeepSeek-V3's
-    two phases ``{first, then, switch_fraction}``: `first` through step switch_fraction x
-    steps, `then` after it."""
-    if isinstance(setting, dict):
-        late = step > setting["switch_fraction"] * steps
-        return float(setting["then"] if late else setting["first"])
-    return float(setting)
-
-
 def check_depth(depth: int, model_type: str, where: str = "model.mtp_depth") -> None:
     """MTP is DeepSeek-V3's: a V2-family model with depth > 0 is a one-line UsageError."""
     if depth and model_type != "deepseek_v3":
