@@ -295,7 +295,7 @@ def save_hf(module: Any, out: str | os.PathLike, tokenizer: str | os.PathLike, s
     extra: dict = {}
     if getattr(module, "mtp", None) is not None:
         full = state_dict if state_dict is not None else module.state_dict()
-        extra = mtp.published_state(full, full)
+        extra = mtp.published_state(full)
         state_dict = {k: v for k, v in full.items() if not k.startswith("mtp.")}
     with atomic_dir(out) as tmp:
         module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)

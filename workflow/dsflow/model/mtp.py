@@ -31,24 +31,14 @@ from torch import nn
 
 from dsflow.errors import UsageError
 
-# Per-depth weights of the published layout besides the decoder layer's; the shared ones
-# (embed_tokens, shared_head.head) are the main model's embedding and lm_head.
-SHARED_KEYS = ("embed_tokens.weight", "shared_head.head.weight")
 
-
-def check_depth(depth: int, model_type: str, where: str = "model.mtp_depth") -> None:
+def check_depth(depth: int, model_type: str) -> None:
     """MTP is DeepSeek-V3's: a V2-family model with depth > 0 is a one-line UsageError."""
     if depth and model_type != "deepseek_v3":
         raise UsageError(
-            f"{where} {depth}: multi-token prediction is DeepSeek-V3's; the model is "
+            f"model.mtp_depth {depth}: multi-token prediction is DeepSeek-V3's; the model is "
             f"{model_type} (use a V3 preset or checkpoint, or set model.mtp_depth: 0)"
         )
-
-
-def _layer_class(config: Any) -> type:
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-
-    return DeepseekV3DecoderLayer
 
 
 class MTPLayer(nn.Module):
@@ -57,10 +47,13 @@ class MTPLayer(nn.Module):
 
     def __init__(self, config: Any, layer_idx: int):
         super().__init__()
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3DecoderLayer,
+            DeepseekV3RMSNorm,
+        )
 
         H, eps = config.hidden_size, config.rms_norm_eps
-        block = _layer_class(config)(config, layer_idx)  # MoE: layer_idx >= first_k_dense
+        block = DeepseekV3DecoderLayer(config, layer_idx)  # MoE: layer_idx >= first_k_dense
         # The decoder layer's submodules directly under this one: the published names.
         for name, child in block.named_children():
             self.add_module(name, child)
@@ -89,10 +82,6 @@ class MultiTokenPrediction(nn.Module):
         self.layers = nn.ModuleDict(
             {str(first + k): MTPLayer(config, first + k) for k in range(depth)}
         )
-
-    @property
-    def depth(self) -> int:
-        return len(self.layers)
 
     def hidden_states(self, hf: Any, input_ids: torch.Tensor, hidden: torch.Tensor):
         """Each depth's h^k ([batch, T - k, H]) from the main model's output `hidden`
@@ -166,10 +155,11 @@ def _expert_split(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def published_state(state: dict[str, torch.Tensor], hf_state: dict) -> dict[str, torch.Tensor]:
-    """The MTP weights of `state` (names ``mtp.layers.N.*``) under the published checkpoint's
-    names (``model.layers.N.*``, per-expert weights), with each depth's copy of the shared
-    embedding and head (from `hf_state`: ``model.embed_tokens.weight``, ``lm_head.weight``)."""
+def published_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The MTP weights of `state`, a state dict of the HF model with ``hf.mtp`` (names
+    ``mtp.layers.N.*``), under the published checkpoint's names (``model.layers.N.*``,
+    per-expert weights), with each depth's copy of the shared embedding and head (the
+    state's ``model.embed_tokens.weight`` and ``lm_head.weight``)."""
     out: dict[str, torch.Tensor] = {}
     layers = set()
     for name, tensor in state.items():
@@ -183,8 +173,8 @@ def published_state(state: dict[str, torch.Tensor], hf_state: dict) -> dict[str,
         else:
             out[key] = tensor
     for n in sorted(layers, key=int):
-        out[f"model.layers.{n}.embed_tokens.weight"] = hf_state["model.embed_tokens.weight"]
-        head = hf_state.get("lm_head.weight", hf_state["model.embed_tokens.weight"])
+        out[f"model.layers.{n}.embed_tokens.weight"] = state["model.embed_tokens.weight"]
+        head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
         out[f"model.layers.{n}.shared_head.head.weight"] = head
     return out
 
