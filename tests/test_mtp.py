@@ -318,3 +318,23 @@ def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared
     update_params(v2, {"train": {"finetune": "lora"}})
     proc = dsflow("train", cwd=v2, check=False, timeout=300)
     assert proc.returncode == 2 and "model.mtp_depth" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_zero3_trains_the_mtp_modules_and_gathers_them_for_models_final(prepared, tmp_path):
+    repo = tmp_path / "z3"
+    shutil.copytree(
+        prepared, repo, ignore=shutil.ignore_patterns("checkpoints", "models", "dvclive", "metrics")
+    )
+    update_params(repo, RUN)
+    update_params(repo, {"train": {"zero_stage": 3, "max_steps": 4, "checkpoint_every": 4}})
+    dsflow("train", cwd=repo, timeout=900)
+    depth1 = tsv(repo, "train/mtp_loss_1")
+    assert sorted(depth1) == [1, 2, 3, 4] and depth1[4] < depth1[1]
+    final = repo / "models/final"
+    index = json.loads((final / "model.safetensors.index.json").read_text())["weight_map"]
+    config = model_config("tiny", VOCAB, {})
+    config.vocab_size = json.loads((final / "config.json").read_text())["vocab_size"]
+    trained = build_model(config, device_type="cpu", pretrained=str(final), mtp_depth=1)
+    assert "model.layers.4.mlp.experts.0.gate_proj.weight" in index
+    assert trained.mtp.layers["4"].eh_proj.weight.abs().sum() > 0
