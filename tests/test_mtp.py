@@ -211,6 +211,52 @@ def test_export_writes_the_published_layout_and_reloads_exactly(tmp_path, capsys
     assert "holds 2 MTP layer(s), not trained and not exported" in capsys.readouterr().err
 
 
+def test_a_block_fp8_checkpoints_mtp_layer_loads_dequantized(tmp_path):
+    """DeepSeek publishes V3 with float8 weights and 128 x 128 fp32 block scales, its MTP layer
+    included: the MTP weights load as the fp8 values times their blocks' scales."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tiny(1)
+    out = tmp_path / "fp8"
+    save_hf(hf, out, tokenizer_folder(tmp_path / "tok"))
+    tensors = load_file(out / "model-mtp.safetensors")
+    quantized = ("model.layers.4.eh_proj.weight", "model.layers.4.mlp.experts.3.up_proj.weight")
+    for key in quantized:
+        weight = tensors[key]
+        scale = weight.abs().amax().reshape(1, 1) / 448  # one block: both dims <= 128 ...
+        if weight.shape[1] > 128:  # ... or two side by side (eh_proj is 128 x 256)
+            scale = torch.stack([weight[:, :128].abs().amax(), weight[:, 128:].abs().amax()])
+            scale = scale.reshape(1, 2) / 448
+        wide = scale.repeat_interleave(128, dim=1)[:, : weight.shape[1]]
+        tensors[key] = (weight / wide).to(torch.float8_e4m3fn)
+        tensors[key + "_scale_inv"] = scale
+    save_file(tensors, out / "model-mtp.safetensors", metadata={"format": "pt"})
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k + "_scale_inv": "model-mtp.safetensors" for k in quantized})
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    (out / "config.json").write_text(json.dumps(config))
+
+    loaded = build_model(
+        model_config("tiny", VOCAB, {}), device_type="cpu", pretrained=str(out), mtp_depth=1
+    )
+    layer = loaded.mtp.layers["4"]
+    for key, got in zip(
+        quantized, (layer.eh_proj.weight, layer.mlp.experts.gate_up_proj[3][64:]), strict=True
+    ):
+        scale = tensors[key + "_scale_inv"].repeat_interleave(128, dim=1)[:, : got.shape[1]]
+        want = tensors[key].float() * scale
+        assert torch.equal(got.detach(), want)
+    # Unquantized weights come as they were.
+    assert torch.equal(layer.hnorm.weight, hf.mtp.layers["4"].hnorm.weight)
+
+
 def test_the_v2_family_has_no_mtp():
     config = model_config("deepseek-v2-lite", VOCAB, tiny_v2())
     with pytest.raises(UsageError) as err:
