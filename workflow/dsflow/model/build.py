@@ -111,7 +111,7 @@ def _attach_mtp(model: Any, depth: int, pretrained: str | None) -> None:
     stored = mtp_layers_stored(pretrained, layers) if pretrained else 0
     if depth > stored and pretrained:
         raise UsageError(_too_deep(depth, pretrained, stored, layers))
-    if stored and not depth:
+    if stored and not depth and os.environ.get("RANK", "0") == "0":  # once, not per rank
         print(
             f"[dsflow] model.pretrained {pretrained!r} holds {stored} MTP layer(s), not trained "
             "and not exported with model.mtp_depth 0",
