@@ -24,7 +24,7 @@ from typing import Any
 
 from dsflow import safeload
 from dsflow.errors import UsageError
-from dsflow.model import source
+from dsflow.model import mtp, source
 from dsflow.model.build import load_checkpoint_config, save_hf
 from dsflow.model.presets import model_config
 from dsflow.paths import TOKENIZER, export_dir
@@ -74,6 +74,10 @@ def export_checkpoint(root: Path, tag: str, out: Path, dtype: str = "fp32") -> P
         config = model_config(model["preset"], vocab, model["overrides"])
     weights = consolidated_state_dict(root, tag)
     net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Multi-token prediction modules: written by save_hf in the published layout.
+    depth = model.get("mtp_depth", 0)
+    net.config.num_mtp_layers = depth
+    mtp.attach(net, depth)
     missing, unexpected = net.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise UsageError(

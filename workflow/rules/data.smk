@@ -55,6 +55,7 @@ rule tokenizer:
             "data/tokenizer.py",
             "model/build.py",
             "model/fp8.py",
+            "model/mtp.py",
             "model/presets.py",
             "model/source.py",
             "atomic.py",

@@ -53,6 +53,7 @@ rule plan:
             "model/fp8.py",
             "model/groupgemm.py",
             "model/lora.py",
+            "model/mtp.py",
             "model/presets.py",
             "model/source.py",
             "plan",

@@ -5,16 +5,19 @@ shapes, families and their parameter counts live in :mod:`dsflow.model.presets`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
 from dsflow import safeload
 from dsflow.atomic import atomic_dir
 from dsflow.errors import UsageError
-from dsflow.model import fp8, source
+from dsflow.model import fp8, mtp, source
 from dsflow.model.presets import config_class, config_problems
 
 # The HF model class of each family (presets.FAMILIES).
@@ -52,7 +55,12 @@ def _ensure_fp32_router_bias(model: Any) -> None:
 
 
 def build_model(
-    config: Any, *, device_type: str, pretrained: str | None = None, dtype: Any = None
+    config: Any,
+    *,
+    device_type: str,
+    pretrained: str | None = None,
+    dtype: Any = None,
+    mtp_depth: int = 0,
 ) -> Any:
     """The family's HF model (``config.model_type``) on CPU: fresh from ``config`` or loaded
     from ``pretrained``.
@@ -64,7 +72,10 @@ def build_model(
     ``dtype`` None means fp32 weights in both cases (transformers 5 would otherwise load a
     checkpoint in its saved dtype, e.g. bf16, leaving the optimizer without fp32 weights);
     DeepSpeed casts to bf16/fp16 itself. Like HF, a fresh model is in train mode, a loaded
-    one in eval mode.
+    one in eval mode. ``mtp_depth`` > 0 attaches DeepSeek-V3's multi-token prediction modules
+    (``model.mtp``, :mod:`dsflow.model.mtp`), from the checkpoint's MTP layers when loaded;
+    the config's ``num_mtp_layers`` (config.json's ``num_nextn_predict_layers``) says how many
+    the model carries.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -87,7 +98,96 @@ def build_model(
     else:
         model = load_pretrained(pretrained, config.vocab_size, **kwargs)
     _ensure_fp32_router_bias(model)
+    _attach_mtp(model, mtp_depth, pretrained)
     return model
+
+
+def _attach_mtp(model: Any, depth: int, pretrained: str | None) -> None:
+    """``model.mtp`` with ``depth`` modules: fresh, or the checkpoint's first ``depth`` MTP
+    layers (a checkpoint with fewer is a one-line UsageError; with some and depth 0, one log
+    line says they are left out)."""
+    mtp.check_depth(depth, model.config.model_type)
+    layers = model.config.num_hidden_layers
+    stored = mtp_layers_stored(pretrained, layers) if pretrained else 0
+    if depth > stored and pretrained:
+        raise UsageError(_too_deep(depth, pretrained, stored, layers))
+    if stored and not depth and os.environ.get("RANK", "0") == "0":  # once, not per rank
+        print(
+            f"[dsflow] model.pretrained {pretrained!r} holds {stored} MTP layer(s), not trained "
+            "and not exported with model.mtp_depth 0",
+            file=sys.stderr,
+        )
+    model.config.num_mtp_layers = depth
+    module = mtp.attach(model, depth)
+    if module is not None and pretrained:
+        with _published_reader(pretrained) as read:
+            mtp.load_published(module, read)
+
+
+def check_mtp(model: dict, config: Any) -> None:
+    """model.mtp_depth against the model (`config`: the preset's, or model.pretrained's own,
+    `model` resolved by dsflow.model.source) before any rank builds it: the V3 family only,
+    and no more depths than the checkpoint holds; one line each."""
+    depth = model.get("mtp_depth", 0)
+    mtp.check_depth(depth, config.model_type)
+    if depth and model["pretrained"]:
+        layers = config.num_hidden_layers
+        stored = mtp_layers_stored(model["pretrained"], layers)
+        if depth > stored:
+            raise UsageError(_too_deep(depth, model["pretrained"], stored, layers))
+
+
+def _too_deep(depth: int, pretrained: str, stored: int, layers: int) -> str:
+    return (
+        f"model.mtp_depth {depth}: model.pretrained {pretrained!r} holds {stored} MTP "
+        f"layer(s) (model.layers.{layers}.* on); set model.mtp_depth <= {stored}"
+    )
+
+
+def mtp_layers_stored(pretrained: str, layers: int) -> int:
+    """How many MTP layers (``model.layers.{layers + k}.eh_proj``) the checkpoint's
+    safetensors hold."""
+    from safetensors import safe_open
+
+    found = set()
+    for name in source.weight_files(pretrained, Path(pretrained)):
+        with safe_open(os.path.join(pretrained, name), "pt") as fh:
+            for key in fh.keys():
+                match = re.match(r"model\.layers\.(\d+)\.eh_proj\.weight$", key)
+                if match and int(match.group(1)) >= layers:
+                    found.add(int(match.group(1)))
+    n = 0
+    while layers + n in found:
+        n += 1
+    return n
+
+
+@contextlib.contextmanager
+def _published_reader(pretrained: str):
+    """read(name) -> fp32 tensor from the checkpoint's safetensors (block-FP8 dequantized); a
+    missing tensor is a one-line UsageError."""
+    from safetensors import safe_open
+
+    block = fp8.block_size(pretrained)
+    with contextlib.ExitStack() as stack:
+        where = {}
+        for name in source.weight_files(pretrained, Path(pretrained)):
+            fh = stack.enter_context(safe_open(os.path.join(pretrained, name), "pt"))
+            where.update(dict.fromkeys(fh.keys(), fh))
+
+        def read(key: str) -> Any:
+            if key not in where:
+                raise UsageError(
+                    f"model.pretrained {pretrained!r} lacks MTP weight {key} (model.mtp_depth): "
+                    "a partial or damaged download; download the checkpoint again"
+                )
+            tensor = where[key].get_tensor(key)
+            scale = key + fp8._SCALE_SUFFIX
+            if block is not None and scale in where:
+                return fp8.dequantize(tensor, where[scale].get_tensor(scale), block)
+            return tensor
+
+        yield read
 
 
 def load_pretrained(pretrained: str, tokens: int, **kwargs: Any) -> Any:
@@ -186,11 +286,55 @@ def save_hf(module: Any, out: str | os.PathLike, tokenizer: str | os.PathLike, s
     """An HF model folder (what `AutoModelForCausalLM.from_pretrained` loads), written atomically:
     the module's config and weights as safetensors, in the module's dtype, and the tokenizer,
     with every file's content hash (safeload.RECORD, checked before the folder is loaded).
-    ``state_dict`` replaces the module's own weights (ZeRO-3 gathers them from every rank)."""
+    ``state_dict`` replaces the module's own weights (ZeRO-3 gathers them from every rank).
+    Multi-token prediction modules (``module.mtp``) go into a shard of their own under the
+    published checkpoint's names (``model.layers.{num_hidden_layers + k - 1}.*``), which
+    transformers leaves out on load as it does DeepSeek-V3's own."""
     from transformers import AutoTokenizer
 
+    extra: dict = {}
+    if getattr(module, "mtp", None) is not None:
+        full = state_dict if state_dict is not None else module.state_dict()
+        extra = mtp.published_state(full)
+        state_dict = {k: v for k, v in full.items() if not k.startswith("mtp.")}
     with atomic_dir(out) as tmp:
         module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if extra:
+            _add_shard(Path(tmp), MTP_SHARD, extra)
         AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
         # safetensors writes the file itself, so the hashes are read back once, here.
         safeload.record_folder(tmp)
+
+
+# The shard of a saved model that holds its multi-token prediction weights.
+MTP_SHARD = "model-mtp.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+def _add_shard(folder: Path, name: str, tensors: dict) -> None:
+    """`tensors` as one more safetensors shard of the model in `folder`, named in its index
+    (a single model.safetensors becomes model-main.safetensors, indexed)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index_path = folder / _INDEX
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+    else:
+        os.replace(folder / "model.safetensors", folder / "model-main.safetensors")
+        with safe_open(folder / "model-main.safetensors", "pt") as fh:
+            keys = list(fh.keys())
+            size = sum(fh.get_tensor(k).nbytes for k in keys)
+        index = {
+            "metadata": {"total_size": size},
+            "weight_map": dict.fromkeys(keys, "model-main.safetensors"),
+        }
+    # Copies: the shared embedding and head appear once per depth, and safetensors refuses
+    # tensors that share memory.
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    save_file(tensors, str(folder / name), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(tensors, name))
+    meta = index.setdefault("metadata", {})
+    meta["total_size"] = int(meta.get("total_size", 0)) + sum(t.nbytes for t in tensors.values())
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")

@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from dsflow.model.presets import activated_matmul_params
+from dsflow.model.presets import activated_matmul_params, mtp_matmul_params
 
 
-def flops_per_token(config: Any, seq_len: int, frozen: bool = False) -> int:
+def flops_per_token(config: Any, seq_len: int, frozen: bool = False, mtp_depth: int = 0) -> int:
     """Training FLOPs per token (forward + backward) of a DeepseekV3ForCausalLM or a
     DeepseekV2ForCausalLM: the families differ in how the router scores, not in matmuls.
 
@@ -33,12 +33,24 @@ def flops_per_token(config: Any, seq_len: int, frozen: bool = False) -> int:
     gradients are computed: ``4 * N`` (the adapters' own matmuls, rank x (in + out) per weight,
     are left out: well under 1% at the ranks people use). Used by the trainer's MFU and by
     planners.
+
+    ``mtp_depth``: DeepSeek-V3's multi-token prediction modules (dsflow.model.mtp) add, for
+    depth k, eh_proj, one MoE decoder layer and the lm_head on seq_len - k of a window's
+    seq_len tokens (``presets.mtp_matmul_params``, and one layer's attention term).
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
-    attn = 6 * config.num_hidden_layers * config.num_attention_heads * (qk + config.v_head_dim)
-    return (4 if frozen else 6) * activated_matmul_params(config) + attn * int(seq_len)
+    per_layer_attn = 6 * config.num_attention_heads * (qk + config.v_head_dim)
+    weights = 4 if frozen else 6
+    main = weights * activated_matmul_params(config)
+    main += per_layer_attn * config.num_hidden_layers * int(seq_len)
+    if not mtp_depth:
+        return main
+    # Depth k runs on seq_len - k positions (attention over them): per window of seq_len tokens.
+    depth_tokens = [int(seq_len) - k for k in range(1, mtp_depth + 1)]
+    mtp = sum(n * (weights * mtp_matmul_params(config) + per_layer_attn * n) for n in depth_tokens)
+    return main + mtp // int(seq_len)
 
 
 # Dense (no 2:4 sparsity) peak tensor-core TFLOP/s per GPU from the vendor datasheets, the

@@ -11,6 +11,7 @@ Training goes through `TrainingLM`, whose forward is the loss, optionally fused 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 
@@ -129,6 +130,16 @@ def unpacked_windows():
         masking_utils.find_packed_sequence_indices = original
 
 
+def mtp_weight_at(setting: float | dict, step: int, steps: int) -> float:
+    """train.mtp.weight at optimizer step `step` (from 1) of `steps`: a number, or DeepSeek-V3's
+    two phases ``{first, then, switch_fraction}``: `first` through step switch_fraction x
+    steps, `then` after it."""
+    if isinstance(setting, dict):
+        late = step > setting["switch_fraction"] * steps
+        return float(setting["then"] if late else setting["first"])
+    return float(setting)
+
+
 class TrainingLM(torch.nn.Module):
     """What DeepSpeed trains: forward(inputs, targets) -> mean token NLL.
 
@@ -138,15 +149,29 @@ class TrainingLM(torch.nn.Module):
     the cross-entropy (`linear_cross_entropy`); 0 computes full logits, as `mean_loss` does.
     `loss_scale`, where set (fp16), returns the loss scale of the coming backward: the fused
     loss forms its gradients at that scale.
+
+    With multi-token prediction (`hf.mtp`, :mod:`dsflow.model.mtp`, held here as `mtp`) the
+    loss is main + mtp_weight / D * sum_k L_k, each L_k through the same head as the main
+    loss; `last_losses` then holds the step's [main, L_1, ..., L_D], detached, for the logs.
+    `mtp_weight` is train.mtp.weight: a number or its two phases over `steps` optimizer steps
+    (`step_begins` picks the step's).
     """
 
-    def __init__(self, hf, ce_chunk: int = 0):
+    def __init__(self, hf, ce_chunk: int = 0, mtp_weight: float | dict = 0.3, steps: int = 1):
         super().__init__()
         self.model = hf.model
         self.lm_head = hf.lm_head
+        self.mtp = getattr(hf, "mtp", None)
+        self._mtp_weight_at = functools.partial(mtp_weight_at, mtp_weight, steps=steps)
+        self.mtp_weight = self._mtp_weight_at(1)
+        self.last_losses: torch.Tensor | None = None
         self.ce_chunk = int(ce_chunk)
         self.loss_scale: Callable[[], float] | None = None
         object.__setattr__(self, "hf", hf)  # not a submodule: no second name for each weight
+
+    def step_begins(self, step: int) -> None:
+        """Optimizer step `step` (from 1) begins: its train.mtp.weight."""
+        self.mtp_weight = self._mtp_weight_at(step)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, **kwargs):
         """The mean token NLL with `targets`; without, the HF model's output (validation goes
@@ -154,15 +179,27 @@ class TrainingLM(torch.nn.Module):
         if targets is None:
             return self.hf(input_ids=input_ids, **kwargs)
         inputs = input_ids
-        if not self.ce_chunk:
+        if not self.ce_chunk and self.mtp is None:
             with unpacked_windows():
                 return mean_loss(self.hf, inputs, targets)
         with unpacked_windows():
             hidden = self.model(input_ids=inputs, use_cache=False).last_hidden_state
+        head = self._head_loss()
+        main = head(hidden.flatten(0, 1), targets.flatten())
+        if self.mtp is None:
+            return main
+        extra = self.mtp.losses(self.hf, inputs, targets, hidden, head)
+        self.last_losses = torch.stack([main.detach(), *(x.detach() for x in extra)])
+        return main + (self.mtp_weight / len(extra)) * torch.stack(extra).sum()
+
+    def _head_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Mean NLL of hidden [N, H] against targets [N] through the lm_head: fused
+        (`ce_chunk` > 0) or from full logits (as `mean_loss` computes them)."""
+        weight = self.lm_head.weight
+        if not self.ce_chunk:
+            return lambda h, t: F.cross_entropy(self.lm_head(h).float(), t)
         scale = self.loss_scale() if self.loss_scale is not None else 1.0
-        return linear_cross_entropy(
-            hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.ce_chunk, scale
-        )
+        return lambda h, t: linear_cross_entropy(h, weight, t, self.ce_chunk, scale)
 
 
 @torch.no_grad()

@@ -45,8 +45,8 @@ _YARN_V2 = {**_YARN_V3, "mscale": 0.707, "mscale_all_dim": 0.707}
 
 # Each preset: config kwargs (vocab_size excluded: it comes from the tokenizer) plus
 # "description", "model_type" when not deepseek_v3, and, for the published shapes,
-# "published_vocab_size". No preset builds the multi-token-prediction (MTP) module
-# (num_mtp_layers=0; HF builds none in any case).
+# "published_vocab_size". No preset builds the multi-token-prediction (MTP) modules
+# (num_mtp_layers=0; HF builds none in any case): model.mtp_depth does (dsflow.model.mtp).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "description": "CPU tests: 0.6M params + 2 x vocab x 128, 4 layers (1 dense + 3 MoE), 8 experts top-2",
@@ -506,6 +506,17 @@ def activated_matmul_params(config: Any) -> int:
         + b["routed_experts_act"]
         + b["lm_head_matmul"]
     )
+
+
+def mtp_matmul_params(config: Any) -> int:
+    """Weights of the matmuls one token goes through in one multi-token-prediction depth
+    (dsflow.model.mtp): eh_proj (2H -> H), an MoE decoder layer's (attention, shared and top-k
+    routed experts, router) and the shared lm_head."""
+    d = _dims(config)
+    H, attn = d["H"], _attention_params(config)[0]
+    expert = 3 * H * d["mi"]
+    moe = (d["shared"] + d["K"]) * expert + d["E"] * H
+    return 2 * H * H + attn + moe + d["V"] * H
 
 
 def _human(n: float) -> str:

@@ -92,7 +92,9 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
         print(f"[dsflow train] balancing: {balancing}", file=sys.stderr)
     if spec.zero3 and balancer.routers:
         _gather_moe_blocks_whole(model)
-    trainee = _universal(TrainingLM(model, ce_chunk=perf.ce_chunk))
+    mtp_weight = spec.mtp.get("weight", 0.3)
+    trainee = TrainingLM(model, ce_chunk=perf.ce_chunk, mtp_weight=mtp_weight, steps=spec.steps)
+    trainee = _universal(trainee)
     trainable = [p for p in trainee.parameters() if p.requires_grad]
     optimizer = _fused_optimizer(trainee, trainable, spec) if perf.optimizer == "fused" else None
     engine, _, _, _ = deepspeed.initialize(
@@ -119,7 +121,13 @@ def _model(spec: RunSpec, device_type: str) -> Any:
     config = model_config(spec.model["preset"], spec.vocab_size, spec.model["overrides"])
     # LoRA's base stays frozen, so it needs no fp32 copy: load it as DeepSpeed will hold it.
     dtype = spec.precision if spec.lora_on else None
-    return build_model(config, device_type=device_type, pretrained=base_folder(spec), dtype=dtype)
+    return build_model(
+        config,
+        device_type=device_type,
+        pretrained=base_folder(spec),
+        dtype=dtype,
+        mtp_depth=spec.model.get("mtp_depth", 0),
+    )
 
 
 def base_folder(spec: RunSpec) -> str | None:

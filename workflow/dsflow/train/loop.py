@@ -125,8 +125,13 @@ def report_compiles(watch: fastpaths.CompileWatch | None, mark: bool = False) ->
 def train_step(run: engine.Run, loader: BatchLoader, step: int, hooks: Hooks):
     """Optimizer step `step` (from 1): its micro-batches forward and backward, then DeepSpeed's
     step after each (DeepSpeed applies the update at the accumulation boundary). Returns the
-    summed loss, on the device, and the seconds spent waiting for data."""
-    loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
+    summed loss, on the device, and the seconds spent waiting for data. With multi-token
+    prediction the sum is a vector: [loss, main loss, each depth's loss]."""
+    parts = run.engine.module.mtp is not None
+    depth = len(run.engine.module.mtp.layers) if parts else 0
+    loss_sum = torch.zeros((2 + depth,) if parts else (), device=run.device, dtype=torch.float64)
+    if parts:
+        run.engine.module.step_begins(step)
     data_wait = 0.0
     for micro in range(loader.accum):
         hooks.mark("data")
@@ -145,7 +150,11 @@ def train_step(run: engine.Run, loader: BatchLoader, step: int, hooks: Hooks):
         run.engine.backward(loss + run.balancer.aux_loss())
         hooks.mark("optimizer")
         run.engine.step()
-        loss_sum += loss.detach().double()
+        if parts:
+            loss_sum[0] += loss.detach().double()
+            loss_sum[1:] += run.engine.module.last_losses.double()
+        else:
+            loss_sum += loss.detach().double()
         hooks.faults.after_micro(step, micro)
     return loss_sum, data_wait
 

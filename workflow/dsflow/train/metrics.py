@@ -258,6 +258,8 @@ def summary(spec, history, counts, val_loss, train_loss, wall_s, hardware) -> di
         "planned_reserved_gb": (
             spec.planned_reserved_bytes / 1e9 if spec.planned_reserved_bytes else None
         ),
+        # Multi-token prediction: each depth's loss at the last step.
+        **{k.split("/")[1]: v for k, v in last.items() if k.startswith("train/mtp_loss_")},
         "experts_max_over_mean": last.get("experts/max_over_mean"),
         "experts_entropy_min": last.get("experts/entropy_min"),
         "world_size": spec.world,
@@ -344,7 +346,12 @@ class Meter:
         self.late = run.perf.async_metrics
         self.clock = StepClock(events=self.late and run.cuda)
         self.logger = Logger(start, spec.steps, resumed=start > 0) if run.rank == 0 else None
-        self.fpt = flops_per_token(run.model.config, spec.seq_len, frozen=spec.lora_on)
+        self.fpt = flops_per_token(
+            run.model.config,
+            spec.seq_len,
+            frozen=spec.lora_on,
+            mtp_depth=spec.model.get("mtp_depth", 0),
+        )
         self.device_name = torch.cuda.get_device_name(run.device) if run.cuda else "cpu"
         # MFU against the datasheet dense peak of the precision in use (train.peak_tflops wins).
         self.peak, _ = mfu_peak(self.device_name, spec.precision, spec.peak_tflops)
@@ -368,6 +375,9 @@ class Meter:
         if world > 1:
             dist.all_reduce(loss)
             loss = loss / world
+        parts = {}
+        if loss.dim():  # multi-token prediction: [loss, main loss, each depth's loss]
+            parts, loss = {"main": loss[1], "mtp": loss[2:]}, loss[0]
         if run.applied_on_device:
             applied = run.optimizer.applied
         else:
@@ -385,6 +395,7 @@ class Meter:
             "grad_norm": run.engine.get_global_grad_norm(),
             "lr": run.engine.get_lr()[0],
             "data_wait": data_wait,
+            **parts,
             **{f"expert.{k}": v for k, v in expert.items()},
             **self._stop_and_peaks(),
         }
@@ -441,12 +452,13 @@ class Meter:
         event and whether a stop was requested."""
         v = record.values()
         step = v["step"]
-        self.loss = v["loss"]
+        # train/loss is the next-token loss val/loss measures; health watches what is trained.
+        self.loss = v.get("main", v["loss"])
         applied = bool(v["applied"])
         snapshot = {k.split(".", 1)[1]: x for k, x in v.items() if k.startswith("expert.")}
         expert = self.run.balancer.stats_of(snapshot) if applied else {}
         grad_norm = float(v["grad_norm"]) if v["grad_norm"] is not None else None
-        event = self.health.observe(step, self.loss, applied, grad_norm)
+        event = self.health.observe(step, v["loss"], applied, grad_norm)
         dt = self.clock.seconds(record.dt)
         eval_due = self.spec.eval_due(step)
         if not event["bad"] and eval_due:
@@ -476,6 +488,8 @@ class Meter:
             "experts/entropy_min": expert.get("entropy_min"),
             "tokens": step * spec.global_tokens,
         }
+        for k, value in enumerate(v.get("mtp", []), start=1):
+            metrics[f"train/mtp_loss_{k}"] = float(value)
         if event["spike"] is not None:
             metrics["train/grad_norm_spike"] = event["spike"]
         say_health(step, event, grad_norm, self.loss, health)

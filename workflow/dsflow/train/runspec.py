@@ -40,6 +40,7 @@ class RunSpec:
     lora: dict  # train.lora: rank, alpha, dropout, targets
     optimizer: dict  # train.optimizer: lr, betas, eps, weight_decay
     balance: dict  # train.balance: gamma, seq_aux_alpha
+    mtp: dict  # train.mtp: weight (model.mtp_depth > 0)
     perf: dict  # the fast paths, resolved by the train stage (model.fastpaths.Perf fields)
     grad_clip: float
     precision: str
@@ -74,6 +75,7 @@ class RunSpec:
             lora=train.get("lora", {}),
             optimizer=train["optimizer"],
             balance=train["balance"],
+            mtp=train.get("mtp", {}),
             perf=run["perf"],
             grad_clip=train["grad_clip"],
             precision=train["precision"],

@@ -37,7 +37,7 @@ from dsflow.atomic import write_json
 from dsflow.data.shards import load_index
 from dsflow.errors import UsageError
 from dsflow.model import fastpaths, float8, lora, presets, source
-from dsflow.model.build import check_vocab_fits, load_checkpoint_config
+from dsflow.model.build import check_mtp, check_vocab_fits, load_checkpoint_config
 from dsflow.params import one_line
 from dsflow.paths import CHECKPOINTS, SHARDS, TOKENIZER
 from dsflow.plan import layouts, memory, request
@@ -104,10 +104,18 @@ def resolve_run(params: dict) -> dict:
     )
     steps = dsconfig.total_steps(train, batch)
     vocab = vocab_size()
-    presets.model_config(params["model"]["preset"], vocab, params["model"]["overrides"])
+    config = presets.model_config(params["model"]["preset"], vocab, params["model"]["overrides"])
     # The ranks build the model from the spec's model section: the checkpoint's local folder.
     params = {**params, "model": source.resolved(params["model"])}
     check_pretrained_vocab(params["model"], vocab)
+    if params["model"]["pretrained"]:
+        config = load_checkpoint_config(params["model"]["pretrained"])
+    check_mtp(params["model"], config)
+    if train["finetune"] == "lora" and params["model"].get("mtp_depth"):
+        raise UsageError(
+            "model.mtp_depth: multi-token prediction is not trained with train.finetune lora "
+            "(the adapters' export has no MTP modules); set model.mtp_depth: 0 or finetune: full"
+        )
     if train["finetune"] == "lora":
         check_lora(params["model"], train["lora"])
     if device == "cpu" and train["precision"] == "fp16":

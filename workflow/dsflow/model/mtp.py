@@ -1,0 +1,214 @@
+"""DeepSeek-V3's multi-token prediction (MTP, the technical report's section 2.2): D sequential
+modules after the main model; depth k predicts token t_{i+k+1} from position i.
+
+Depth k (1..D) combines the previous depth's hidden state h^{k-1}_i (h^0: the main model's
+output) with the embedding of token t_{i+k}::
+
+    h'_i  = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)])      (M_k: Linear(2d -> d))
+    h^k_i = TRM_k(h'_i)                                           (one MoE decoder layer)
+    P^k   = softmax(head(shared_head.norm(h^k_i)))
+
+The embedding and the output head are the main model's (shared, trained by every depth). The
+concatenation order, embedding first, is vLLM's DeepSeekMultiTokenPredictorLayer
+(vllm-project/vllm, vllm/model_executor/models/deepseek_mtp.py: ``self.eh_proj(torch.cat(
+[inputs_embeds, previous_hidden_states], dim=-1))``), which loads DeepSeek's published
+weights; h^0 is the main model's output after its final norm, as vLLM hands it over.
+
+HF's DeepseekV3ForCausalLM has no MTP. dsflow attaches the modules to the HF model as
+``hf.mtp`` (``mtp.layers.{L + k - 1}.*``, L = num_hidden_layers), so the HF model's own weights
+keep HF's names and ``mtp.`` -> ``model.`` gives the published checkpoint's names
+(``model.layers.{L + k - 1}.enorm`` etc., with the decoder layer's weights beside them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsflow.errors import UsageError
+
+
+def check_depth(depth: int, model_type: str) -> None:
+    """MTP is DeepSeek-V3's: a V2-family model with depth > 0 is a one-line UsageError."""
+    if depth and model_type != "deepseek_v3":
+        raise UsageError(
+            f"model.mtp_depth {depth}: multi-token prediction is DeepSeek-V3's; the model is "
+            f"{model_type} (use a V3 preset or checkpoint, or set model.mtp_depth: 0)"
+        )
+
+
+class MTPLayer(nn.Module):
+    """One depth: the published checkpoint's ``model.layers.{L + k - 1}`` (enorm, hnorm,
+    eh_proj, shared_head.norm and a decoder layer's weights, under the same names)."""
+
+    def __init__(self, config: Any, layer_idx: int):
+        super().__init__()
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3DecoderLayer,
+            DeepseekV3RMSNorm,
+        )
+
+        H, eps = config.hidden_size, config.rms_norm_eps
+        block = DeepseekV3DecoderLayer(config, layer_idx)  # MoE: layer_idx >= first_k_dense
+        # The decoder layer's submodules directly under this one: the published names.
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        self.enorm = DeepseekV3RMSNorm(H, eps=eps)
+        self.hnorm = DeepseekV3RMSNorm(H, eps=eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = DeepseekV3RMSNorm(H, eps=eps)
+
+    def forward(self, embeds: torch.Tensor, previous: torch.Tensor, rope) -> torch.Tensor:
+        h = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous)], dim=-1))
+        # DeepseekV3DecoderLayer.forward's steps; no mask: SDPA then attends causally.
+        attn, _ = self.self_attn(
+            hidden_states=self.input_layernorm(h), attention_mask=None, position_embeddings=rope
+        )
+        h = h + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MultiTokenPrediction(nn.Module):
+    """The D depths, keyed by their published layer index (``layers.{L + k - 1}``)."""
+
+    def __init__(self, config: Any, depth: int):
+        super().__init__()
+        first = config.num_hidden_layers
+        self.layers = nn.ModuleDict(
+            {str(first + k): MTPLayer(config, first + k) for k in range(depth)}
+        )
+
+    def hidden_states(self, hf: Any, input_ids: torch.Tensor, hidden: torch.Tensor):
+        """Each depth's h^k ([batch, T - k, H]) from the main model's output `hidden`
+        ([batch, T, H]) for the inputs `input_ids` ([batch, T])."""
+        embed, rotary = hf.model.embed_tokens, hf.model.rotary_emb
+        out = []
+        for k, layer in enumerate(self.layers.values(), start=1):
+            n = input_ids.shape[1] - k
+            if n <= 0:
+                raise ValueError(
+                    f"train.seq_len {input_ids.shape[1]} leaves no tokens at depth {k}"
+                )
+            positions = torch.arange(n, device=input_ids.device)[None]
+            embeds = embed(input_ids[:, k:])
+            rope = rotary(embeds, positions)
+            hidden = layer(embeds, hidden[:, :n], rope)
+            out.append(hidden)
+        return out
+
+    def losses(
+        self,
+        hf: Any,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        hidden: torch.Tensor,
+        head_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """L_k for k = 1..D: the mean NLL of t_{i+k+1} (``targets[:, k:]``), each through
+        `head_loss(normed hidden [N, H], targets [N])`, the main loss's own head."""
+        layers = list(self.layers.values())
+        out = []
+        for k, h in enumerate(self.hidden_states(hf, input_ids, hidden), start=1):
+            normed = layers[k - 1].shared_head.norm(h)
+            out.append(head_loss(normed.flatten(0, 1), targets[:, k:].flatten()))
+        return out
+
+
+def attach(hf: Any, depth: int) -> MultiTokenPrediction | None:
+    """``hf.mtp`` with `depth` modules, initialised as HF initialises its layers (the router's
+    bias zero, in fp32); None for depth 0."""
+    if not depth:
+        return None
+    check_depth(depth, hf.config.model_type)
+    param = next(hf.parameters())
+    mtp = MultiTokenPrediction(hf.config, depth).to(dtype=param.dtype)
+    for module in mtp.modules():
+        hf._init_weights(module)
+    for name, buf in mtp.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.data = buf.data.float()
+    hf.mtp = mtp
+    return mtp
+
+
+# ------------------------------------------------------------------ the published layout
+
+
+def _expert_split(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """HF's fused expert banks as the published per-expert weights (what save_pretrained
+    writes for the main layers too): gate_up_proj [E, 2I, H] -> experts.e.{gate,up}_proj,
+    down_proj [E, H, I] -> experts.e.down_proj."""
+    prefix, which = name.rsplit(".", 1)
+    out = {}
+    for e in range(tensor.shape[0]):
+        if which == "gate_up_proj":
+            gate, up = tensor[e].chunk(2, dim=0)
+            out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+            out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+        else:
+            out[f"{prefix}.{e}.down_proj.weight"] = tensor[e].contiguous()
+    return out
+
+
+def published_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The MTP weights of `state`, a state dict of the HF model with ``hf.mtp`` (names
+    ``mtp.layers.N.*``), under the published checkpoint's names (``model.layers.N.*``,
+    per-expert weights), with each depth's copy of the shared embedding and head (the
+    state's ``model.embed_tokens.weight`` and ``lm_head.weight``)."""
+    out: dict[str, torch.Tensor] = {}
+    layers = set()
+    for name, tensor in state.items():
+        match = re.match(r"mtp\.layers\.(\d+)\.(.*)", name)
+        if not match:
+            continue
+        layers.add(match.group(1))
+        key = f"model.layers.{match.group(1)}.{match.group(2)}"
+        if re.search(r"mlp\.experts\.(gate_up_proj|down_proj)$", key):
+            out.update(_expert_split(key, tensor))
+        else:
+            out[key] = tensor
+    for n in sorted(layers, key=int):
+        out[f"model.layers.{n}.embed_tokens.weight"] = state["model.embed_tokens.weight"]
+        head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+        out[f"model.layers.{n}.shared_head.head.weight"] = head
+    return out
+
+
+def wanted_keys(mtp: MultiTokenPrediction) -> dict[str, tuple[str, ...]]:
+    """Each MTP parameter or buffer name (``layers.N.*``) and the published names it is
+    read from (one, or an expert bank's per-expert weights)."""
+    out = {}
+    for name, tensor in [*mtp.named_parameters(), *mtp.named_buffers()]:
+        key = f"model.{name}"
+        if re.search(r"mlp\.experts\.(gate_up_proj|down_proj)$", key):
+            out[name] = tuple(_expert_split(key, tensor.detach()))
+        else:
+            out[name] = (key,)
+    return out
+
+
+def load_published(mtp: MultiTokenPrediction, read: Callable[[str], torch.Tensor]) -> None:
+    """Copies each MTP weight in from `read(published name)` (per-expert weights fused back
+    into HF's banks); a missing or misshapen tensor is a one-line UsageError."""
+    tensors = dict([*mtp.named_parameters(), *mtp.named_buffers()])
+    for name, keys in wanted_keys(mtp).items():
+        target = tensors[name]
+        if len(keys) == 1:
+            value = read(keys[0])
+        elif name.endswith("gate_up_proj"):
+            pairs = zip(keys[0::2], keys[1::2], strict=True)
+            value = torch.stack([torch.cat([read(g), read(u)], 0) for g, u in pairs])
+        else:
+            value = torch.stack([read(k) for k in keys])
+        if tuple(value.shape) != tuple(target.shape):
+            raise UsageError(
+                f"MTP weight {keys[0]} is {tuple(value.shape)}, the config makes "
+                f"{tuple(target.shape)} (model.mtp_depth)"
+            )
+        with torch.no_grad():
+            target.copy_(value.to(target.dtype))
