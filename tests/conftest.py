@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,17 @@ def run(cmd: list[str], cwd: Path, check: bool = True, **kw) -> subprocess.Compl
             f"stderr:\n{proc.stderr[-3000:]}"
         )
     return proc
+
+
+def wait_for(predicate, timeout: float, what: str):
+    """`predicate()`'s first true value, polled until `timeout` seconds have passed."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def dsflow(*args: str, cwd: Path, check: bool = True, **kw) -> subprocess.CompletedProcess:

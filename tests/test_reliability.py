@@ -28,7 +28,7 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, dsflow, update_params
+from conftest import ROOT, dsflow, update_params, wait_for
 from dsflow import dsconfig
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
@@ -182,16 +182,6 @@ def nan_loss(disk_full, chain_repo):
     run = train(chain_repo, {"DSFLOW_FAULT_NAN_FROM_STEP": "8"})
     update_params(chain_repo, {"train": {"max_bad_steps": 10}})
     return run
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

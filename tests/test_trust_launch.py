@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import dsflow, tiny_run, update_params
+from conftest import dsflow, tiny_run, update_params, wait_for
 from dsflow import launch
 from dsflow.data.shards import load_index
 from dsflow.errors import UsageError
@@ -197,16 +197,6 @@ def steps_logged(repo: Path) -> int:
     tsv = repo / "dvclive/plots/metrics/train/loss.tsv"
     rows = tsv.read_text().splitlines()[1:] if tsv.exists() else []
     return len(rows)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @pytest.mark.slow
