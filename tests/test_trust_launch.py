@@ -133,6 +133,7 @@ def test_load_index_names_the_missing_or_mistyped_key(prepared, tmp_path):
         ({k: v for k, v in index.items() if k != "dtype"}, "key dtype is missing"),
         ({**index, "shards": [{"file": "shard_00000.bin"}]}, "key shards[0].tokens is missing"),
         ({**index, "shards": {}}, "key shards is {}, not a list"),
+        ({**index, "vocab_size": "big"}, "key vocab_size is 'big', not an integer"),
         ({**index, "dtype": "no-such-type"}, "key dtype 'no-such-type' is no numpy dtype"),
         ([], "not a JSON object"),
     ]

@@ -180,18 +180,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_lock_refusal(stage: str, busy: lock.Busy) -> str | None:
-    """A second train run is refused by checkpoints/.lock, as it always was: that names the
-    holder's launcher too. None when the holder is not a train run that holds it yet."""
+    """A second train run is refused with checkpoints/.lock's line, which names the holder's
+    launcher too. None when the holder is not a train run that holds it yet."""
     if stage != "train" or all(h["stage"] != "train" for h in busy.holders):
         return None
-    from dsflow.train.checkpoint import LOCK_FILE, RunLock
+    from dsflow.train.checkpoint import RunLock
 
-    if (CHECKPOINTS / LOCK_FILE).exists():
-        try:
-            RunLock(CHECKPOINTS).acquire().release()
-        except UsageError as held:
-            return str(held)
-    return None
+    return RunLock(CHECKPOINTS).holder_line()
 
 
 def _fail(name: str | None, logged: bool, line: str, code: int, fresh: bool = True) -> int:

@@ -446,7 +446,9 @@ def safetensors_files(folder: Path) -> list[str]:
         try:
             return sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            raise UsageError(f"{index}: not a safetensors index (damaged)") from None
+            raise UsageError(
+                f"{index}: not a safetensors index (damaged); download or write that folder again"
+            ) from None
     return ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
 
 

@@ -195,6 +195,6 @@ def _changed_line(stage: str, path: Path) -> str:
     what = "deleted" if _identity(path) is None else "replaced"
     return (
         f"{path}: {what} while the {stage} stage ran (by another run, or a front-end that deletes "
-        f"a stage's outputs before running it); this stage's outputs are not taken as made from "
-        f"it: rerun once that run has finished"
+        f"a stage's outputs before running it), so what this stage wrote may not match it: rerun "
+        f"once that run has finished"
     )

@@ -11,7 +11,7 @@ DeepSpeed and its converters call `torch.load(..., weights_only=False)` themselv
 
 Content hashes (xxh3-128, fast enough to hash a checkpoint as it is written): `HashingWriter`
 hashes bytes on their way to a file; `file_hash` hashes a file. An HF model folder such as
-models/final carries `RECORD` (every file's size and hash), written by `record_folder` before
+models/final carries `RECORD` (dsflow_hashes.json: every file's size and hash), written by `record_folder` before
 the folder is renamed into place and checked by `check_folder` before it is loaded.
 """
 

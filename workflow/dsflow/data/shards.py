@@ -42,6 +42,7 @@ def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
 # What the train and evaluate stages and their ranks read of a split's index.json: key -> type.
 INDEX_KEYS = {"dtype": str, "vocab_size": int, "shards": list}
 SHARD_KEYS = {"file": str, "tokens": int, "sha256": str}
+JSON_TYPE = {str: "a string", int: "an integer", list: "a list"}  # as a message names them
 
 
 def check_index(index, path: Path) -> None:
@@ -63,7 +64,7 @@ def check_index(index, path: Path) -> None:
             value = entry[key]
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise UsageError(
-                    f"{path}: key {where}{key} is {value!r}, not a {kind.__name__}; {fix}"
+                    f"{path}: key {where}{key} is {value!r}, not {JSON_TYPE[kind]}; {fix}"
                 )
     try:
         np.dtype(index["dtype"])

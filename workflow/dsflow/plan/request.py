@@ -388,17 +388,15 @@ def _resources(
 
 def _perf(train: dict, device: str, precision: str, gpus: list[dict]) -> dict[str, Any]:
     """The memory setup's fast paths as the train stage resolves train.perf
-    (dsflow.model.fastpaths): the fused loss (`auto`: on CUDA, never with fp16), compiled
-    layers (`auto`: on CUDA; never at ZeRO-3, which :func:`memory.estimate` applies per layout),
-    whether the routed experts run inside them (the sorted experts, in bf16, on GPUs that run
-    torch's grouped GEMM: below compute capability 8.0 the train stage keeps HF's) and the FP8
-    linears' recipe."""
+    (dsflow.model.fastpaths): the fused loss (`auto`: on CUDA, not in fp16; a chunk size
+    anywhere), compiled layers (`auto`: on CUDA; never at ZeRO-3, which :func:`memory.estimate`
+    applies per layout), whether the routed experts run inside them (the sorted experts, in
+    bf16 and fp16, on GPUs with a grouped GEMM: below compute capability 8.0 the train stage
+    keeps HF's) and the FP8 linears' recipe."""
     from dsflow.model import fastpaths
 
     asked = train.get("perf") or {}
     perf = {k: v for k, v in asked.items() if k in ("ce_chunk", "compile", "experts")}
-    if precision == "fp16":
-        perf["ce_chunk"] = 0
     chosen = fastpaths.resolve(perf, device, precision=precision)
     fp8 = fp8_on(asked)
     # The visible GPUs' capabilities; one not listed (a GPU named by a profile or --gpu-mem)

@@ -458,13 +458,29 @@ class RunLock:
                 holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
             finally:
                 os.close(fd)
-            raise UsageError(
-                f"{self.path} is held by another train run in this directory (PID {holder}); "
-                "wait for it to finish or stop it (kill -TERM <pid>), then rerun"
-            ) from None
+            raise UsageError(self._held(holder)) from None
         self.fd = fd
         self.write_holder(str(os.getpid()))
         return self
+
+    def _held(self, holder: str) -> str:
+        return (
+            f"{self.path} is held by another train run in this directory (PID {holder}); "
+            "wait for it to finish or stop it (kill -TERM <pid>), then rerun"
+        )
+
+    def holder_line(self) -> str | None:
+        """The line `acquire` would refuse with while a live process holds the lock, else None.
+        Reads only: probing with a lock of its own could refuse the real holder instead."""
+        try:
+            holder = self.path.read_text(errors="replace").strip()
+            pid = int(holder.split(",")[0])
+            os.kill(pid, 0)
+        except PermissionError:  # alive, another user's
+            pass
+        except (OSError, ValueError):  # no file, no PID in it, or the process is gone
+            return None
+        return self._held(holder)
 
     def write_holder(self, text: str) -> None:
         if self.fd is not None:

@@ -218,10 +218,12 @@ def _pick_resume(root: Path, spec: dict) -> tuple[Path | None, str | None]:
     """(where this run's checkpoints are: `root`, a moved-aside run in previous/, or None to
     start fresh; the tag to resume there). Reads only; refuses in one line."""
     zero = zero_partitioned(spec)
+    same = _previous_fingerprint(root) == spec["fingerprint"]
     # Every file's content hash is checked here, before launch: a damaged tag never reaches
-    # the ranks, and the newest intact one is resumed instead.
-    resume = ckpt.resume_tag(root, spec["world"], zero, note=log.info, content=True)
-    if resume and _previous_fingerprint(root) == spec["fingerprint"]:
+    # the ranks, and the newest intact one is resumed instead. Another run's tags are only
+    # moved aside: their hashes wait until they are resumed.
+    resume = ckpt.resume_tag(root, spec["world"], zero, note=log.info, content=same)
+    if resume and same:
         check_optimizer(root, spec)
         return root, resume
     if resume:
