@@ -163,3 +163,21 @@ def test_a_progress_bar_keeps_only_its_last_redraw():
     assert unfinished(held) == b"99"
     assert unfinished(b"no bar") == b"no bar"
     assert unfinished(b"done\r") == b"done\r"  # the next redraw still overwrites it
+
+
+def test_a_line_reaches_the_log_past_an_earlier_stages_closed_handlers(tmp_path, monkeypatch):
+    """A stage refused before it sets up its logging (its paths are locked) appends its line to
+    the log while the logger still holds an earlier in-process stage's handlers, whose stream
+    may be closed by now."""
+    import io
+    import sys
+
+    from dsflow import progress
+
+    stream = io.TextIOWrapper(io.BytesIO())
+    monkeypatch.setattr(sys, "stderr", stream)
+    progress.setup_logging("shard", log_dir=tmp_path, to_file=False)
+    stream.close()
+    path = tmp_path / "train.log"
+    progress.to_log("dsflow train: error: refused", path)
+    assert path.read_text().rstrip().endswith("dsflow train: error: refused")

@@ -88,7 +88,10 @@ def to_log(text: str, path: Path | None = None) -> None:
     if path is None:
         return
     for handler in log.handlers:
-        handler.flush()
+        # A stage refused before it set up its logging still has an earlier stage's handlers in
+        # this process (the tests call cli.main in-process), whose streams may be closed.
+        with contextlib.suppress(ValueError):
+            handler.flush()
     lines = text.rstrip("\n").split("\n")
     with path.open("a") as f:
         f.write("".join(f"{stamp()} {line}\n" for line in lines))
