@@ -165,6 +165,9 @@ VARIANTS = {
     "no-overlap": {"zero": {"overlap_comm": False}},
     # the classic setup's levers: fp16 with dynamic loss scaling, gradient accumulation
     "fp16": {"precision": "fp16"},
+    "accum2": {"grad_accum": 2},
+    # the fused lm_head + cross-entropy where auto leaves it off (fp16: train.perf.ce_chunk)
+    "fused-ce": {"perf": {"ce_chunk": DEFAULT_CE_CHUNK}},
     "accum4": {"grad_accum": 4},
     "cudagraphs": {"perf": {"compile_mode": "reduce-overhead"}},
     # Inductor searches GEMM and fused-kernel configs for each layer's shapes (slow to compile)
@@ -328,6 +331,7 @@ def run_stage(
         "params_total": metrics["params_total"],
         "params_activated": metrics["params_activated"],
         "wall_s": wall,
+        "log": str(log_path),
     }
 
 

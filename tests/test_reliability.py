@@ -116,6 +116,18 @@ def last_line(proc) -> str:
     return proc.stderr.strip().splitlines()[-1]
 
 
+def assert_out_of_space(run, tag: str, kept: str) -> str:
+    """The run ended in the one line of a save that found the disk full, `kept` the newest."""
+    assert run.proc.returncode == 2
+    line = last_line(run.proc)
+    assert line.startswith(
+        f"dsflow train: error: no space left on device while saving checkpoint {tag}"
+    ), run.proc.stderr[-3000:]
+    assert f"the previous checkpoint {kept} is intact" in line
+    assert run.latest == kept
+    return line
+
+
 def assert_matches_baseline(phase, baseline, steps):
     for step in steps:
         assert phase.loss[step] == pytest.approx(baseline.loss[step], rel=1e-6), step
@@ -273,14 +285,8 @@ def test_kill_during_checkpoint_save_keeps_the_previous_checkpoint(killed_in_sav
 @pytest.mark.slow
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(disk_full, nan_loss, chain_repo):
     run = disk_full
-    assert run.proc.returncode == 2
-    line = last_line(run.proc)
-    assert line.startswith(
-        "dsflow train: error: no space left on device while saving checkpoint step00000009"
-    )
-    assert "the previous checkpoint step00000006 is intact" in line
+    line = assert_out_of_space(run, "step00000009", kept="step00000006")
     assert "rerun to resume from step00000006" in line
-    assert run.latest == "step00000006"
     assert ".tmp-step00000009" not in run.entries and "step00000009" not in run.entries
     assert run.ranks == []
     assert "resumed from step 6" in nan_loss.proc.stderr
@@ -351,6 +357,84 @@ def test_every_interrupted_phase_ends_where_an_uninterrupted_run_ends(finished, 
     assert ".lock" not in finished.entries and ".stop" not in finished.entries
 
 
+# --------------------------------------------------------------------------- background saves
+# train.async_checkpoints: the same faults hit a checkpoint while its writer thread writes it.
+
+
+@pytest.fixture(scope="module")
+def async_repo(prepared, tmp_path_factory):
+    repo = train_copy(prepared, tmp_path_factory.mktemp("async") / "repo")
+    update_params(repo, {"train": {"async_checkpoints": True}})
+    return repo
+
+
+@pytest.fixture(scope="module")
+def async_disk_full(async_repo):
+    """Phase 1: rank 0's writer thread hits ENOSPC writing step 6 (training goes on meanwhile)."""
+    return train(async_repo, {"DSFLOW_FAULT_ENOSPC": "6"})
+
+
+@pytest.fixture(scope="module")
+def async_killed(async_disk_full, async_repo):
+    """Phase 2: resumes from step 3; rank 0 is SIGKILLed in its writer thread with step 9's
+    files written, not yet committed."""
+    return train(async_repo, {"DSFLOW_FAULT_SAVE": "9"})
+
+
+@pytest.fixture(scope="module")
+def async_finished(async_killed, async_repo):
+    """Phase 3: a clean rerun to the end."""
+    return train(async_repo)
+
+
+@pytest.mark.slow
+def test_a_background_write_that_fails_ends_the_run_in_one_line(async_disk_full, async_killed):
+    run = async_disk_full
+    assert_out_of_space(run, "step00000006", kept="step00000003")
+    assert "step00000006" not in run.entries
+    assert run.ranks == []
+    assert "resumed from step 3" in async_killed.proc.stderr
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(
+    async_killed, async_finished
+):
+    run = async_killed
+    assert run.proc.returncode == 2
+    assert "SIGKILL rank 0 while saving step 9" in run.proc.stderr
+    assert run.latest == "step00000006" and "step00000009" not in run.entries
+    assert run.ranks == []
+    assert "removed checkpoints/.tmp-step00000009, left by an interrupted" in run.proc.stderr
+    assert "resumed from step 6" in async_finished.proc.stderr
+
+
+@pytest.mark.slow
+def test_background_saves_end_where_saves_in_the_step_end(async_finished, async_repo, baseline):
+    run = async_finished
+    assert run.proc.returncode == 0, run.proc.stderr[-3000:]
+    assert sorted(run.loss) == list(range(1, 13))
+    assert_matches_baseline(run, baseline, range(1, 13))
+    assert run.latest == "step00000012" and sorted(e for e in run.entries if "step" in e) == [
+        "step00000009",
+        "step00000012",
+    ]
+    # The same files as the run that wrote while training waited, each with its hash.
+    ours, theirs = (
+        json.loads((repo / "checkpoints/step00000012" / ckpt.MANIFEST).read_text())
+        for repo in (async_repo, baseline.repo)
+    )
+    assert ours["files"].keys() == theirs["files"].keys()
+    optim = [name for name in ours["files"] if ckpt.ZERO_FILE.match(name)]
+    assert len(optim) == 3
+    assert {n: ours[ckpt.HASHES][n] for n in optim} == {n: theirs[ckpt.HASHES][n] for n in optim}
+    assert ckpt.validate_tag(async_repo / "checkpoints", "step00000012", content=True) is None
+    stderr = run.proc.stderr
+    assert "checkpoint step00000012: training paused" in stderr
+    assert "writing in the background" in stderr
+    assert "checkpoint step00000012: written in" in stderr
+
+
 def _mount_tmpfs(path: Path, size: int) -> bool:
     if os.geteuid() != 0 or not shutil.which("mount"):
         return False
@@ -372,13 +456,7 @@ def test_real_full_disk_while_saving(prepared, baseline, tmp_path):
         pytest.skip("cannot mount a tmpfs here (needs root); the ENOSPC hook test covers it")
     try:
         run = train(repo)
-        assert run.proc.returncode == 2
-        line = last_line(run.proc)
-        assert line.startswith(
-            "dsflow train: error: no space left on device while saving checkpoint step00000006"
-        ), run.proc.stderr[-3000:]
-        assert "the previous checkpoint step00000003 is intact" in line
-        assert run.latest == "step00000003"
+        assert_out_of_space(run, "step00000006", kept="step00000003")
         assert ckpt.validate_tag(root, "step00000003", world=3, zero=True) is None
         assert ckpt.resume_tag(root, 3, True) == "step00000003"
         assert not any(e.startswith(".tmp-") for e in run.entries)  # space handed back

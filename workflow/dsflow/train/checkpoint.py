@@ -43,6 +43,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ RESUMABLE_KEYS = {
     "eval_batches",
     "checkpoint_every",
     "keep_checkpoints",
+    "async_checkpoints",
     "log_every",
     "peak_tflops",
     "launcher",
@@ -561,13 +563,16 @@ def save_failure(exc: BaseException, tag: str, previous: str | None, rank: int) 
 
 
 def save(run: Any, spec: Any, step: int, health: dict, faults: Any, last_good: str | None) -> str:
-    """Save step `step` on every rank; returns its tag, now the newest complete checkpoint.
+    """Save step `step` on every rank; returns its tag, now the newest complete checkpoint (with
+    train.async_checkpoints: the newest one saved, complete once its writer is done: `written`).
 
     Atomic: every rank writes into a temporary tag; once all are done rank 0 records the
     manifest, renames it to its final name and moves `latest` (`commit`). A write that fails
     for lack of space (or any OSError) ends the run with one line saying what is kept."""
     import torch.distributed as dist
 
+    written(run)  # one save in flight at most: the one before is complete first
+    started = time.perf_counter()
     tag = tag_for(step)
     tmp = temp_tag(tag)
     # DeepSpeed stores client state from rank 0 only: gather every rank's RNG into it.
@@ -581,6 +586,7 @@ def save(run: Any, spec: Any, step: int, health: dict, faults: Any, last_good: s
         "expert_bias": run.balancer.bias_state(),
     }
     engine = run.engine
+    behind = getattr(engine.checkpoint_engine, "write_behind", None)
     try:
         with faults.disk_full(engine, step):
             # LoRA: the frozen base comes from model.pretrained again on resume, so a
@@ -592,30 +598,96 @@ def save(run: Any, spec: Any, step: int, health: dict, faults: Any, last_good: s
                 save_latest=False,
                 exclude_frozen_parameters=spec.lora_on,
             )
+        if behind is not None:
+            engine.checkpoint_engine.in_flight = (tag, last_good)
+            behind(lambda hashes: _publish(run, spec, step, hashes, faults, started))
+            _log_save(run, tag, started, "training paused", "; writing in the background")
+            return tag
         faults.in_save(step)
         # Every rank's files are written once this returns (it replaces a barrier): rank 0
         # records the hashes each rank took while writing.
-        written: list = [None] * spec.world
-        take = getattr(engine.checkpoint_engine, "take_hashes", dict)
-        dist.all_gather_object(written, take())
+        hashes: list = [None] * spec.world
+        dist.all_gather_object(hashes, getattr(engine.checkpoint_engine, "take_hashes", dict)())
         if run.rank == 0:
-            hashes = {k: v for part in written for k, v in part.items()}
-            zero = bool(engine.save_zero_checkpoint)
-            write_manifest(CHECKPOINTS, tmp, step, spec.world, zero, hashes)
-            commit(CHECKPOINTS, tmp, tag)
+            _commit_step(run, spec, step, {k: v for part in hashes for k, v in part.items()})
     except (OSError, RuntimeError) as e:
-        message = save_failure(e, tag, last_good, run.rank)
-        if message is None:
-            raise
-        # The other ranks wait in a barrier for this one: leave now, so that they fail
-        # fast (their peer is gone) and the launcher stops them.
-        report_fatal(message)
-        sys.stderr.flush()
-        os._exit(EXIT_FATAL)
-    if run.rank == 0:
-        prune(CHECKPOINTS, spec.keep_checkpoints)
+        _end_if_storage(e, tag, last_good, run.rank)
     dist.barrier()
+    _log_save(run, tag, started, "saved in")
     return tag
+
+
+def _commit_step(run: Any, spec: Any, step: int, hashes: dict) -> None:
+    """Rank 0, once every rank's files of `step` are written: manifest, commit, prune."""
+    tmp, tag = temp_tag(tag_for(step)), tag_for(step)
+    zero = bool(run.engine.save_zero_checkpoint)
+    write_manifest(CHECKPOINTS, tmp, step, spec.world, zero, hashes)
+    commit(CHECKPOINTS, tmp, tag)
+    prune(CHECKPOINTS, spec.keep_checkpoints)
+
+
+def _log_save(run: Any, tag: str, started: float, what: str, then: str = "") -> None:
+    if run.rank == 0:
+        took = time.perf_counter() - started
+        print(f"[dsflow train] checkpoint {tag}: {what} {took:.2f} s{then}", file=sys.stderr)
+
+
+def _end_if_storage(e: BaseException, tag: str, previous: str | None, rank: int) -> None:
+    """A write that failed for lack of space (or any OSError) ends the run in one line; other
+    errors go on up."""
+    message = save_failure(e, tag, previous, rank)
+    if message is None:
+        raise e
+    # The other ranks wait in a barrier (or for this rank's files) for this one: leave now, so
+    # that they fail fast (their peer is gone) and the launcher stops them.
+    report_fatal(message)
+    sys.stderr.flush()
+    os._exit(EXIT_FATAL)
+
+
+# Asynchronous saves (train.async_checkpoints): each rank's writer thread, done with its files,
+# leaves its hashes in the temporary tag as `.written-rank<R>.json`; rank 0's writer waits for
+# every rank's and commits. No collective runs in a writer thread: the training's own go on.
+WRITTEN_PREFIX = ".written-rank"
+WRITTEN_POLL_S = 0.02
+
+
+def _publish(run: Any, spec: Any, step: int, hashes: dict, faults: Any, started: float) -> None:
+    """In this rank's writer thread, once its files of `step` are written."""
+    from dsflow import launch
+
+    path = CHECKPOINTS / temp_tag(tag_for(step))
+    faults.in_save(step)
+    with atomic_file(path / f"{WRITTEN_PREFIX}{run.rank}.json") as f:
+        json.dump(hashes, f)
+    if run.rank != 0:
+        return
+    marks = [path / f"{WRITTEN_PREFIX}{r}.json" for r in range(spec.world)]
+    deadline = time.monotonic() + launch.collective_timeout_s()
+    while not all(m.exists() for m in marks):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks did not finish writing {path.name} in time")
+        time.sleep(WRITTEN_POLL_S)
+    merged = {}
+    for m in marks:
+        merged.update(json.loads(m.read_text()))
+        m.unlink()
+    _commit_step(run, spec, step, merged)
+    _log_save(run, tag_for(step), started, "written in")
+
+
+def written(run: Any, wait: bool = True) -> None:
+    """With train.async_checkpoints: until the checkpoint being written is complete (`wait`
+    False: only when its writer has already finished). A write that failed ends the run in one
+    line naming the checkpoint that is kept, as a failed save does."""
+    ce = run.engine.checkpoint_engine
+    if getattr(ce, "thread", None) is None or (not wait and ce.busy):
+        return
+    tag, previous = ce.in_flight
+    try:
+        ce.wait()
+    except (OSError, RuntimeError) as e:
+        _end_if_storage(e, tag, previous, run.rank)
 
 
 def resume(run: Any, spec: Any) -> tuple[int, dict | None]:

@@ -1,9 +1,21 @@
-"""dsflow's checkpoint engine on the DeepSpeed engine: DeepSpeed's own torch.save format, with
+"""dsflow's checkpoint engines on the DeepSpeed engine: DeepSpeed's own torch.save format, with
 every file hashed as it is written and every file loaded without running pickled code
-(dsflow.safeload). Imported by the ranks only, after DeepSpeed (`dsflow.train.engine.build`)."""
+(dsflow.safeload). Imported by the ranks only, after DeepSpeed (`dsflow.train.engine.build`).
+
+`HashingCheckpointEngine` writes while `engine.save_checkpoint` runs. `AsyncCheckpointEngine`
+(train.async_checkpoints) only copies each state dict into host memory there, the one thing
+that must happen before the next optimizer step changes the tensors, and a writer thread
+serializes, hashes and writes the copies while training goes on (the design of torch's async
+distributed checkpoint: stage in host memory, write in the background). The files are the same
+bytes either way (storages keep their sharing; on a GPU they are tagged as host tensors, which
+every load maps back).
+"""
 
 from __future__ import annotations
 
+import copy
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +34,10 @@ class HashingCheckpointEngine(TorchCheckpointEngine):
         self.hashes: dict[str, list] = {}
 
     def save(self, state_dict: Any, path: str) -> None:
+        self.write(state_dict, path)
+
+    def write(self, state_dict: Any, path: str) -> None:
+        """torch.save through a hashing writer; records the file's size and hash."""
         with open(path, "wb") as raw:
             out = safeload.HashingWriter(raw)
             torch.save(state_dict, out, _use_new_zipfile_serialization=self.zipfile_serialization)
@@ -37,9 +53,94 @@ class HashingCheckpointEngine(TorchCheckpointEngine):
         return hashes
 
 
-def install(engine: Any) -> None:
-    """Replace DeepSpeed's default checkpoint engine; another one that a user's ds_config
-    chose stays (its files are hashed when the manifest is written, and its loads still go
-    through safeload.weights_only)."""
+class AsyncCheckpointEngine(HashingCheckpointEngine):
+    """`save` stages a host copy; `write_behind` writes what was staged in a thread, then calls
+    `done(hashes)` there; `wait` joins it and raises what the writer raised."""
+
+    def __init__(self, config_params: Any = None):
+        super().__init__(config_params)
+        self.staged: list[tuple[Any, str]] = []
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.staged.append((to_host(state_dict), path))
+
+    def write_behind(self, done: Callable[[dict], None]) -> None:
+        """Write the staged files in a writer thread (one save in flight: `wait` first)."""
+        assert self.thread is None, "a checkpoint is still being written: wait() first"
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the copies to host memory were issued non-blocking
+        jobs, self.staged = self.staged, []
+
+        def work() -> None:
+            try:
+                for state, path in jobs:
+                    self.write(state, path)
+                jobs.clear()  # the host copies go before the manifest is committed
+                done(self.take_hashes())
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                self.error = e
+
+        self.thread = threading.Thread(target=work, name="dsflow-checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def failure(self) -> BaseException | None:
+        """What the finished writer raised, if anything (without waiting)."""
+        return None if self.busy else self.error
+
+    def wait(self) -> None:
+        """Until the writer is done; raises what it raised."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+
+def to_host(obj: Any, memo: dict | None = None) -> Any:
+    """A copy of a state dict whose tensors live in fresh host memory (pinned for a GPU's, the
+    copies issued non-blocking), storages shared as in the original, so that torch.save writes
+    the same bytes. Other objects (a loss scaler) are deep-copied: training changes them too."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        return _tensor_to_host(obj, memo)
+    if isinstance(obj, dict):
+        host = type(obj)((k, to_host(v, memo)) for k, v in obj.items())
+        if extra := getattr(obj, "__dict__", None):  # a module state_dict's _metadata
+            host.__dict__.update(copy.deepcopy(extra))
+        return host
+    if isinstance(obj, list):
+        return [to_host(v, memo) for v in obj]
+    if isinstance(obj, tuple):  # torch.Size too: its type stays
+        items = [to_host(v, memo) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return copy.deepcopy(obj)
+
+
+def _tensor_to_host(t: torch.Tensor, memo: dict) -> torch.Tensor:
+    storage = t.untyped_storage()
+    key = (storage.device, storage.data_ptr(), storage.nbytes())
+    if key not in memo:
+        src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        dst = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=src.is_cuda)
+        dst.copy_(src, non_blocking=src.is_cuda)
+        memo[key] = dst.untyped_storage()
+    view = torch.empty(0, dtype=t.dtype).set_(memo[key], t.storage_offset(), t.size(), t.stride())
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(view, requires_grad=t.requires_grad)
+    return view.requires_grad_(t.requires_grad)  # saved with the tensor
+
+
+def install(engine: Any, background: bool = False) -> None:
+    """Replace DeepSpeed's default checkpoint engine (`background`: the asynchronous one); another
+    one that a user's ds_config chose stays (its files are hashed when the manifest is written,
+    and its loads still go through safeload.weights_only)."""
     if type(engine.checkpoint_engine) is TorchCheckpointEngine:
-        engine.checkpoint_engine = HashingCheckpointEngine(engine._config)
+        kind = AsyncCheckpointEngine if background else HashingCheckpointEngine
+        engine.checkpoint_engine = kind(engine._config)

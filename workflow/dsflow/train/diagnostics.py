@@ -263,22 +263,16 @@ class Faults:
 
     @contextlib.contextmanager
     def disk_full(self, engine, step: int):
-        if not self._here(step, self.enospc_step):
-            yield
-            return
-        ce = engine.checkpoint_engine
-        original = ce.save
+        if self._here(step, self.enospc_step):
+            # A full disk from here on: the run ends at this save (train.async_checkpoints: in
+            # its writer thread, after this returns), so nothing is put back.
+            def write(state_dict, path):
+                with open(path, "wb") as f:
+                    f.write(b"\0" * 4096)  # what a full disk leaves: a partial file
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-        def save(state_dict, path):
-            with open(path, "wb") as f:
-                f.write(b"\0" * 4096)  # what a full disk leaves: a partial file
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
-        ce.save = save
-        try:
-            yield
-        finally:
-            ce.save = original
+            engine.checkpoint_engine.write = write
+        yield
 
 
 class Hooks:

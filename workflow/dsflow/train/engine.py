@@ -104,10 +104,11 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
         # The fused loss forms its gradients at the scale of the coming backward (a float on
         # the host: no sync).
         trainee.loss_scale = lambda: float(engine.optimizer.loss_scale)
-    # Checkpoint files hashed as they are written, and loaded without running pickled code.
+    # Checkpoint files hashed as they are written (in the background with
+    # train.async_checkpoints), and loaded without running pickled code.
     from dsflow.train import ckptengine
 
-    ckptengine.install(engine)
+    ckptengine.install(engine, background=spec.async_checkpoints)
     if optimizer is not None and spec.world == 1:
         # ZeRO-0's all-reduce of one rank would only copy every gradient into buckets and back.
         engine.enable_backward_allreduce = False

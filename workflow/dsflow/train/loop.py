@@ -90,6 +90,7 @@ def main() -> int:
         if fatal:
             return leave(meter, loader, hooks, fatal_line(fatal, last_good), fatal=True)
         hooks.step_ends(step, meter.clock.aside)
+        ckpt.written(run, wait=False)  # a checkpoint written in the background: failed?
         if step == start + 1:  # the ranks have met in a step: from now on a hang is a fault
             collective_timeout(timeout)
             hooks.arm()
@@ -230,6 +231,7 @@ def leave(meter: Meter, loader: BatchLoader, hooks: Hooks, line: str, fatal: boo
     (it must not run into the interpreter's teardown). Under the train stage (which reports the
     reason, or asked for the stop through checkpoints/.stop) the exit is clean; run by hand, a
     failure is EXIT_FATAL and a signal the conventional 128 + SIGTERM."""
+    ckpt.written(meter.run)  # the line may name it: a checkpoint still being written, complete
     if meter.run.rank == 0:
         meter.close()
         if fatal:
@@ -247,6 +249,7 @@ def finish_run(run: engine.Run, spec: RunSpec, meter: Meter) -> int:
     """The last validation, models/final and metrics/train.json (rank 0), which the run also
     keeps with dvclive/ in its last checkpoint tag (metrics.write_metrics)."""
     assert meter.pending is None, "the last step is always read at once"
+    ckpt.written(run)  # the last checkpoint complete, before its tag gets the run's record
     if meter.val_loss is None:
         meter.val_loss = meter.validate()
     wall_s = meter.wall_s()

@@ -52,6 +52,7 @@ class RunSpec:
     eval_batches: int
     checkpoint_every: int
     keep_checkpoints: int
+    async_checkpoints: bool
     ds_config: dict
 
     @classmethod
@@ -87,6 +88,7 @@ class RunSpec:
             eval_batches=train["eval_batches"],
             checkpoint_every=train["checkpoint_every"],
             keep_checkpoints=train["keep_checkpoints"],
+            async_checkpoints=train["async_checkpoints"],
             ds_config=ds_config,
         )
 
