@@ -272,6 +272,25 @@ def test_report_leaves_out_what_was_not_measured():
     assert "experts_max_over_mean" not in md and "None" not in md
 
 
+def test_report_says_what_the_mtp_depths_give_in_words():
+    from dsflow.report import evaluation_section
+
+    evalm = {
+        "top1_accuracy": 0.5,
+        "mtp_top1_accuracy_1": 0.4,
+        "mtp_top1_accuracy_2": 0.25,
+        "speculative_tokens_per_step": 1.6,
+        "speculative_acceptance_1": 0.5,
+        "speculative_acceptance_2": None,
+        "speculative_speedup": 1.45,
+    }
+    md = "\n".join(evaluation_section(evalm))
+    assert "| speculative_tokens_per_step | 1.6 |" in md
+    assert "main head's top-1 accuracy is 50.0%, depth 1..2's (token t+1+k) 40.0%, 25.0%" in md
+    assert "accepts 50.0%, n/a of the drafts" in md and "1.60 tokens per step: 1.45x" in md
+    assert "Multi-token" not in "\n".join(evaluation_section({"top1_accuracy": 0.5}))
+
+
 def chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if path := shutil.which(name):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from conftest import ROOT, dsflow, rewound_copy, tiny_v2, update_params
 from dsflow.errors import UsageError
+from dsflow.model import mtp
 from dsflow.model.build import build_model, check_mtp, save_hf
 from dsflow.model.loss import TrainingLM, mean_loss, mtp_weight_at
 from dsflow.model.presets import model_config
@@ -148,6 +149,87 @@ def test_mfu_counts_the_mtp_depths():
     want = flops_per_token(c, T) + ((T - 1) * (6 * depth + attn * (T - 1))) // T
     assert flops_per_token(c, T, mtp_depth=1) == want
     assert flops_per_token(c, T, mtp_depth=0) == flops_per_token(c, T)
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+def drafting(depth: int, noise: float):
+    """A tiny model whose layers add nothing, so the main head picks f(current token), and
+    whose MTP depths pass the next token's embedding through (eh_proj = [I, noise]): they
+    draft what the main model will pick, the more often the less `noise`."""
+    hf = tiny(depth).eval()
+    H = hf.config.hidden_size
+    with torch.no_grad():
+        for layer in [*hf.model.layers, *hf.mtp.layers.values()]:
+            layer.self_attn.o_proj.weight.zero_()
+            for p in layer.mlp.parameters():
+                p.zero_()  # the routed experts' banks and the shared experts: no output
+        for layer in hf.mtp.layers.values():
+            layer.eh_proj.weight.copy_(torch.cat([torch.eye(H), noise * torch.randn(H, H)], 1))
+    return hf
+
+
+def decode_step_by_step(hf, prompt: torch.Tensor, new_tokens: int) -> tuple[float, list]:
+    """Greedy self-speculative decoding written out, one step at a time: the main model picks
+    the next token; each depth drafts one more from the sequence extended by the tokens before
+    it; the main model, run on the extended sequence, accepts drafts while it agrees."""
+    seq, steps = prompt.tolist(), 0
+    tried, taken = [0] * len(hf.mtp.layers), [0] * len(hf.mtp.layers)
+    end = len(seq) + new_tokens
+    with torch.no_grad():
+        while len(seq) < end:
+            i = len(seq) - 1
+            ids = torch.tensor([seq])
+            x = seq + [int(hf(input_ids=ids).logits[0, -1].argmax())]
+            for k in range(1, len(hf.mtp.layers) + 1):
+                if len(x) >= end:
+                    break
+                ids = torch.tensor([x])
+                hidden = hf.model(input_ids=ids).last_hidden_state
+                h = hf.mtp.hidden_states(hf, ids, hidden)[k - 1][:, i]
+                layer = list(hf.mtp.layers.values())[k - 1]
+                x.append(int(hf.lm_head(layer.shared_head.norm(h)).argmax()))
+            picks = hf(input_ids=torch.tensor([x])).logits[0].argmax(-1)
+            emitted = i + 2  # the main model's token
+            for k in range(1, len(x) - i - 1):
+                tried[k - 1] += 1
+                if int(picks[i + k]) != x[i + k + 1]:
+                    break
+                taken[k - 1] += 1
+                emitted += 1
+            seq, steps = x[:emitted], steps + 1
+    return new_tokens / steps, [a / t if t else None for a, t in zip(taken, tried, strict=True)]
+
+
+@pytest.mark.parametrize("depth,noise", [(1, 0.0), (2, 0.05), (3, 0.05)])
+def test_speculative_decoding_counts_what_a_step_by_step_decoder_accepts(depth, noise):
+    from dsflow.model import mtp
+
+    hf = drafting(depth, noise)
+    torch.manual_seed(5)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    got = mtp.speculative(hf, prompt, 20)
+    want, acceptance = decode_step_by_step(hf, prompt[0], 20)
+    assert got["tokens_per_step"] == pytest.approx(want)
+    assert got["acceptance"] == pytest.approx(acceptance)
+    if noise == 0:
+        assert got["acceptance"] == [1.0] and want == pytest.approx(20 / 10)
+    else:  # some drafts taken at every depth, not all
+        assert all(0 < rate < 1 for rate in got["acceptance"]), got
+    assert 0 < got["speedup"] < got["tokens_per_step"]
+
+
+def test_the_walk_takes_each_steps_accepted_drafts_and_stops_at_the_end():
+    from dsflow.model.mtp import speculative_walk
+
+    # positions 0..9; the prompt ends at 2: steps at 2 (+2 drafts), 5 (0), 6 (+1), 8 (the
+    # last token: its drafts would fall outside).
+    accepted = torch.tensor([[0, 0, 2, 0, 0, 0, 1, 0, 2, 0]])
+    walk = speculative_walk(accepted, start=2, depth=2)
+    assert walk["tokens_per_step"] == 7 / 4
+    # depth 1 drafted at 2, 5, 6 (accepted at 2, 6); depth 2 at 2 (accepted) and 6 (not).
+    assert walk["acceptance"] == [2 / 3, 1 / 2]
 
 
 def tokenizer_folder(path):
@@ -353,6 +435,20 @@ def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared
     )
     want, got = trained.mtp.state_dict(), again.mtp.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+    # The evaluate stage (2 ranks) scores each head's top-1 and decodes speculatively.
+    update_params(full, {"evaluate": {"max_windows": 6, "speculative_prompts": 2}})
+    dsflow("evaluate", cwd=full, timeout=600)
+    ev = json.loads((full / "metrics/eval.json").read_text())
+    w = torch.stack([torch.as_tensor(reader.tokens(i * 32, 33).astype("int64")) for i in range(6)])
+    with torch.no_grad():
+        hidden = trained.eval().model(input_ids=w[:, :-1]).last_hidden_state
+    [draft] = mtp.drafts(trained, w[:, :-1], hidden)
+    assert ev["mtp_top1_accuracy_1"] == pytest.approx((draft == w[:, 2:]).float().mean().item())
+    main = trained.lm_head(hidden).argmax(-1)
+    assert ev["top1_accuracy"] == pytest.approx((main == w[:, 1:]).float().mean().item())
+    assert 1 <= ev["speculative_tokens_per_step"] <= 2
+    assert 0 <= ev["speculative_acceptance_1"] <= 1 and ev["speculative_speedup"] > 0
 
     v2 = tmp_path / "v2"
     shutil.copytree(prepared, v2, ignore=shutil.ignore_patterns("checkpoints", "models"))

@@ -33,8 +33,10 @@ from dsflow.launch import (
     torchrun_command,
 )
 from dsflow.machine import resolve_device
+from dsflow.model import mtp
 from dsflow.model.balance import ExpertBalancer
-from dsflow.model.loss import to_batch, token_nll
+from dsflow.model.build import attach_stored_mtp
+from dsflow.model.loss import logits_nll, to_batch, token_nll
 from dsflow.paths import EVAL_DETAILS, EVAL_METRICS, FINAL, MANIFEST, SHARDS
 from dsflow.progress import bar, child_output, log, setup_logging, whole_lines
 
@@ -77,7 +79,8 @@ def token_byte_lengths(tokenizer) -> tuple[np.ndarray, bool]:
 
 
 def window_scores(model, reader, byte_len, micro, device, rank, world, max_windows, balancer):
-    """{window index: (nats, tokens, bytes)} for this rank's round-robin share."""
+    """{window index: (nats, tokens, bytes, top-1 hits)} for this rank's round-robin share;
+    hits: of the main head and each MTP depth, [] for a model without MTP (`scored`)."""
     n = reader.num_windows if max_windows is None else min(max_windows, reader.num_windows)
     mine = list(range(rank, n, world))
     scores = {}
@@ -87,13 +90,49 @@ def window_scores(model, reader, byte_len, micro, device, rank, world, max_windo
             ids = mine[start : start + micro]
             windows = np.stack([reader.tokens(i * reader.seq_len, reader.seq_len + 1) for i in ids])
             inputs, targets = to_batch(windows, device)
-            nll = token_nll(model, inputs, targets).double().sum(dim=1).tolist()
+            nll, hits = scored(model, inputs, targets)
+            nll = nll.double().sum(dim=1).tolist()
             nbytes = byte_len[windows[:, 1:]].sum(axis=1).tolist()
-            for i, nats, b in zip(ids, nll, nbytes, strict=True):
-                scores[i] = (nats, reader.seq_len, int(b))
+            for i, nats, b, h in zip(ids, nll, nbytes, hits, strict=True):
+                scores[i] = (nats, reader.seq_len, int(b), h)
             progress.update(len(ids))
         progress.close()
     return scores
+
+
+def scored(model, inputs, targets) -> tuple[torch.Tensor, list[list[int]]]:
+    """Per-token NLL [batch, seq] and, per window, how many tokens each head got right as its
+    top-1: the main head's token t+1 and MTP depth k's token t+1+k (empty without MTP)."""
+    if getattr(model, "mtp", None) is None:
+        return token_nll(model, inputs, targets), [[] for _ in range(len(inputs))]
+    hidden = model.model(input_ids=inputs, use_cache=False).last_hidden_state
+    logits = model.lm_head(hidden)
+    heads = [logits.argmax(-1), *mtp.drafts(model, inputs, hidden)]
+    hits = torch.stack([(g == targets[:, k:]).sum(1) for k, g in enumerate(heads)], 1)
+    return logits_nll(logits, targets), hits.tolist()
+
+
+def mtp_metrics(model, reader, scores: dict, cfg: dict, device) -> dict:
+    """With MTP layers in the export: each head's top-1 accuracy over the scored windows and
+    greedy self-speculative decoding of the first `speculative_prompts` val windows' first
+    halves, `speculative_tokens` each (mtp.speculative)."""
+    if getattr(model, "mtp", None) is None:
+        return {}
+    seq, n = reader.seq_len, len(scores)
+    hits = [sum(col) for col in zip(*(scores[i][3] for i in sorted(scores)), strict=True)]
+    out = {"top1_accuracy": hits[0] / (n * seq)}
+    for k, h in enumerate(hits[1:], start=1):
+        out[f"mtp_top1_accuracy_{k}"] = h / (n * (seq - k))
+    count = min(cfg["speculative_prompts"], reader.num_windows)
+    if count:
+        half = np.stack([reader.tokens(i * seq, seq // 2) for i in range(count)])
+        prompts = torch.as_tensor(half.astype(np.int64), device=device)
+        walk = mtp.speculative(model, prompts, cfg["speculative_tokens"])
+        out["speculative_tokens_per_step"] = walk["tokens_per_step"]
+        out["speculative_speedup"] = walk["speedup"]
+        for k, rate in enumerate(walk["acceptance"], start=1):
+            out[f"speculative_acceptance_{k}"] = rate
+    return out
 
 
 def generate_samples(model, tokenizer, cfg, device) -> list[dict]:
@@ -159,8 +198,10 @@ def evaluate_rank(params: dict, device_type: str) -> None:
     cfg = params["evaluate"]
     tokenizer = AutoTokenizer.from_pretrained(FINAL)
     # safetensors only: a pickled pytorch_model.bin could run code when loaded
-    model = AutoModelForCausalLM.from_pretrained(FINAL, use_safetensors=True).to(device).eval()
-    balancer = ExpertBalancer(model, gamma=0.0)
+    model = AutoModelForCausalLM.from_pretrained(FINAL, use_safetensors=True)
+    balancer = ExpertBalancer(model, gamma=0.0)  # the main model's experts (not MTP's)
+    attach_stored_mtp(model, str(FINAL))  # plain transformers leaves the MTP layers out
+    model = model.to(device).eval()
     reader = ShardReader(SHARDS / "val", params["train"]["seq_len"], seed=params["seed"])
     byte_len, exact = token_byte_lengths(tokenizer)
     scores = window_scores(
@@ -180,16 +221,17 @@ def evaluate_rank(params: dict, device_type: str) -> None:
         dist.all_gather_object(gathered, scores)
         scores = {k: v for part in gathered for k, v in part.items()}
     if rank == 0:
-        write_results(params, model, tokenizer, scores, expert, exact, world, device)
+        extra = mtp_metrics(model, reader, scores, cfg, device)
+        write_results(params, model, tokenizer, scores, expert, exact, world, device, extra)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
 
 
-def write_results(params, model, tokenizer, scores, expert, exact, world, device) -> None:
+def write_results(params, model, tokenizer, scores, expert, exact, world, device, extra) -> None:
     nats = tokens = nbytes = 0
     for i in sorted(scores):  # fixed order: the same sum for any number of ranks
-        n, t, b = scores[i]
+        n, t, b, _ = scores[i]
         nats, tokens, nbytes = nats + n, tokens + t, nbytes + b
     bpb = nats / (math.log(2) * nbytes)
     metrics = {
@@ -202,6 +244,7 @@ def write_results(params, model, tokenizer, scores, expert, exact, world, device
         "world_size": world,
         "experts_max_over_mean": expert.get("max_over_mean"),
         "experts_entropy_min": expert.get("entropy_min"),
+        **extra,
     }
     manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
     floor = manifest.get("splits", {}).get("val", {}).get("entropy_bits_per_byte")

@@ -405,6 +405,8 @@ def evaluation_section(evalm: dict, params: dict | None = None) -> list[str]:
     parts = ["## Evaluation", "", md_table(rows, ["metric", "value"]), ""]
     if evalm.get("val_loss") is not None:
         parts += [eval_val_windows(params, evalm), ""]
+    if evalm.get("speculative_tokens_per_step") is not None:
+        parts += [mtp_sentence(evalm), ""]
     if "gap_bpb" in evalm:
         parts += [
             f"The model is {evalm['gap_bpb']:.4f} bits/byte above the entropy floor of "
@@ -414,6 +416,27 @@ def evaluation_section(evalm: dict, params: dict | None = None) -> list[str]:
             "",
         ]
     return parts
+
+
+def mtp_sentence(evalm: dict) -> str:
+    """What the multi-token prediction depths give at inference, in words."""
+    depths = sorted(int(k.rsplit("_", 1)[1]) for k in evalm if k.startswith("mtp_top1_accuracy_"))
+    accuracy = ", ".join(f"{100 * evalm[f'mtp_top1_accuracy_{k}']:.1f}%" for k in depths)
+    accepted = ", ".join(
+        "n/a"
+        if evalm.get(f"speculative_acceptance_{k}") is None
+        else f"{100 * evalm[f'speculative_acceptance_{k}']:.1f}%"
+        for k in depths
+    )
+    return (
+        f"Multi-token prediction: the main head's top-1 accuracy is "
+        f"{100 * evalm['top1_accuracy']:.1f}%, depth 1..{len(depths)}'s (token t+1+k) "
+        f"{accuracy}. Greedy self-speculative decoding, the depths drafting and the main model "
+        f"verifying, accepts {accepted} of the drafts at each depth and emits "
+        f"{evalm['speculative_tokens_per_step']:.2f} tokens per step: "
+        f"{evalm['speculative_speedup']:.2f}x plain decoding where a step costs the weights it "
+        "reads (memory-bound decoding)."
+    )
 
 
 def longest_backticks(text: str) -> int:

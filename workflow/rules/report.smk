@@ -6,7 +6,12 @@ rule evaluate:
         code(
             "data/shards.py",
             "model/balance.py",
+            "model/build.py",
+            "model/fp8.py",
             "model/loss.py",
+            "model/mtp.py",
+            "model/presets.py",
+            "model/source.py",
             "atomic.py",
             "errors.py",
             "evaluate.py",

@@ -124,6 +124,18 @@ def _attach_mtp(model: Any, depth: int, pretrained: str | None) -> None:
             mtp.load_published(module, read)
 
 
+def attach_stored_mtp(model: Any, folder: str) -> int:
+    """The MTP layers a model folder's safetensors hold (an export: `save_hf`), attached to
+    `model` (loaded from that folder by plain transformers, which leaves them out) as
+    ``model.mtp``; returns how many (0 for none, or for the V2 family)."""
+    if model.config.model_type != "deepseek_v3":
+        return 0
+    depth = mtp_layers_stored(folder, model.config.num_hidden_layers)
+    if depth:
+        _attach_mtp(model, depth, folder)
+    return depth
+
+
 def check_mtp(model: dict, config: Any) -> None:
     """model.mtp_depth against the model (`config`: the preset's, or model.pretrained's own,
     `model` resolved by dsflow.model.source) before any rank builds it: the V3 family only,

@@ -27,7 +27,10 @@ def to_batch(windows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, t
 
 def token_nll(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token negative log-likelihood in nats, [batch, seq], fp32."""
-    logits = model(input_ids=inputs, use_cache=False).logits
+    return logits_nll(model(input_ids=inputs, use_cache=False).logits, targets)
+
+
+def logits_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
     return nll.view_as(targets)
 

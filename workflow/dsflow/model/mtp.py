@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dsflow.errors import UsageError
+from dsflow.model.presets import activated_matmul_params, mtp_matmul_params
 
 
 def check_depth(depth: int, model_type: str) -> None:
@@ -212,3 +213,84 @@ def load_published(mtp: MultiTokenPrediction, read: Callable[[str], torch.Tensor
             )
         with torch.no_grad():
             target.copy_(value.to(target.dtype))
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+@torch.no_grad()
+def drafts(hf: Any, input_ids: torch.Tensor, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """Each depth's top-1 token at each position ([batch, T - k] for depth k): depth k's at
+    position i is its guess of token i + k + 1. `hidden`: the main model's output for
+    `input_ids` (after its final norm)."""
+    layers = list(hf.mtp.layers.values())
+    states = hf.mtp.hidden_states(hf, input_ids, hidden)
+    return [
+        hf.lm_head(layer.shared_head.norm(h)).argmax(-1)
+        for layer, h in zip(layers, states, strict=True)
+    ]
+
+
+def accepted(main: torch.Tensor, guesses: list[torch.Tensor]) -> torch.Tensor:
+    """[batch, T]: at each position i, how many drafts in a row the main model confirms in
+    greedy self-speculative decoding. `main` [batch, T] is the main head's top-1 token at each
+    position (its pick for token i + 1); depth k's draft of token i + k + 1 (`guesses[k - 1]`)
+    is accepted when the main head picks it at position i + k and every shallower draft was."""
+    streak = torch.ones_like(main, dtype=torch.bool)
+    count = torch.zeros_like(main)
+    for k, guess in enumerate(guesses, start=1):
+        n = guess.shape[1]
+        ok = torch.zeros_like(streak)
+        ok[:, :n] = guess == main[:, k : k + n]
+        streak &= ok
+        count += streak
+    return count
+
+
+def speculative_walk(accepted_at: torch.Tensor, start: int, depth: int) -> dict[str, Any]:
+    """Greedy self-speculative decoding of each row from position `start` (the prompt's last
+    token) to its end: a step at position i emits the main head's token and the `accepted_at[i]`
+    drafts it confirms, and the next step starts after them. Returns the tokens emitted per step
+    and, per depth, the share of its drafts accepted (depth k drafts when depths < k were)."""
+    tokens = steps = 0
+    tried, taken = [0] * depth, [0] * depth
+    for row in accepted_at.tolist():
+        i, end = start, len(row) - 1  # the last position whose next token is in the row
+        while i < end:
+            room = end - i - 1  # drafts whose tokens are still inside the row
+            got = min(row[i], room)
+            for k in range(min(got + 1, depth, room)):
+                tried[k] += 1
+                taken[k] += k < got
+            tokens, steps, i = tokens + 1 + got, steps + 1, i + 1 + got
+    return {
+        "tokens_per_step": tokens / steps if steps else None,
+        "acceptance": [a / t if t else None for a, t in zip(taken, tried, strict=True)],
+    }
+
+
+@torch.no_grad()
+def greedy(hf: Any, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The prompts ([batch, P]) followed by the main model's `new_tokens` greedy tokens."""
+    seq = prompts
+    for _ in range(new_tokens):
+        logits = hf(input_ids=seq, use_cache=False).logits[:, -1]
+        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+    return seq
+
+
+@torch.no_grad()
+def speculative(hf: Any, prompts: torch.Tensor, new_tokens: int) -> dict[str, Any]:
+    """Greedy self-speculative decoding of `new_tokens` after each prompt, the MTP depths
+    drafting and the main model verifying: `speculative_walk` over the main model's greedy
+    continuation (what such decoding emits, since the main model confirms every token).
+    `speedup`: tokens per step over a step's cost in weights read, the bound of memory-bound
+    decoding: the main model's activated matmul weights plus each depth's."""
+    seq = greedy(hf, prompts, new_tokens)
+    hidden = hf.model(input_ids=seq, use_cache=False).last_hidden_state
+    main = hf.lm_head(hidden).argmax(-1)
+    depth = len(hf.mtp.layers)
+    walk = speculative_walk(accepted(main, drafts(hf, seq, hidden)), prompts.shape[1] - 1, depth)
+    cost = 1 + depth * mtp_matmul_params(hf.config) / activated_matmul_params(hf.config)
+    walk["speedup"] = walk["tokens_per_step"] / cost if walk["tokens_per_step"] else None
+    return walk
