@@ -35,6 +35,7 @@ with SnakemakeApi(OutputSettings()) as api:
             "params": sorted(k.replace("__", ".") for k in r.params.keys()),
             "log": [str(f) for f in r.log],
             "resources": {k: getattr(v, "value", v) for k, v in r.resources.items() if k == "gpus"},
+            "values": {k.replace("__", "."): v for k, v in r.params.items()},
         }
     print("RULES" + json.dumps(rules))
 """
@@ -124,10 +125,35 @@ def test_snakefile_and_dvc_yaml_describe_the_same_dag():
     assert stages["train"]["persist"] == ["checkpoints", "dvclive"]
 
 
-def test_train_rule_declares_its_gpus():
+def test_train_rule_declares_its_gpus(tmp_path):
+    from conftest import copy_project, update_params
+    from dsflow import machine
+
+    # params.yaml's default device is auto with 3 ranks: 3 GPUs where there are GPUs, none on a
+    # machine without (the run trains on its CPU, and Snakemake says no gpus=3 for it).
     rules = snakemake_rules()
-    # params.yaml's default device is auto with 3 ranks: the rule asks for 3 GPUs.
-    assert rules["train"]["resources"] == {"gpus": 3}
+    assert rules["train"]["resources"] == {"gpus": 3 if machine.scheduler_gpus() else 0}
+    repo = copy_project(tmp_path / "repo")
+    update_params(repo, {"train": {"device": "cuda"}})
+    assert snakemake_rules(repo)["train"]["resources"] == {"gpus": 3}
+    update_params(repo, {"train": {"device": "cpu"}})
+    assert snakemake_rules(repo)["train"]["resources"] == {"gpus": 0}
+
+
+def test_param_values_stay_short_and_change_with_their_section(tmp_path):
+    from conftest import copy_project, update_params
+
+    # Snakemake prints changed params in its reason line: no section as a 2 800-character repr.
+    rules = snakemake_rules()
+    for rule in rules.values():
+        assert all(len(repr(v)) <= 40 for v in rule["values"].values()), rule["values"]
+    seq_len = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]["seq_len"]
+    assert rules["evaluate"]["values"]["train.seq_len"] == seq_len  # a scalar as itself
+    repo = copy_project(tmp_path / "repo")
+    update_params(repo, {"train": {"optimizer": {"lr": 0.001}}})
+    again = snakemake_rules(repo)
+    assert again["train"]["values"]["train"] != rules["train"]["values"]["train"]
+    assert again["train"]["values"]["model"] == rules["train"]["values"]["model"]
 
 
 def test_every_command_is_a_dsflow_stage_and_every_rule_logs():

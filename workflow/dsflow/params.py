@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import hashlib
 import json
 import math
 import os
@@ -318,6 +319,12 @@ def load(path: str | Path = "params.yaml", overlays: list[str] | None = None) ->
         params = deep_merge(params, read_yaml(overlay))
         sources.append(str(overlay))
     return validate(params, source=" + ".join(sources))
+
+
+def digest(value: Any) -> str:
+    """A short, stable stand-in for a params value (a whole section): its JSON's sha256."""
+    blob = json.dumps(value, sort_keys=True).encode()
+    return f"sha256:{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
 def get(params: dict, dotted: str) -> Any:

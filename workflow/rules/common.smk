@@ -39,8 +39,16 @@ os.environ[params_mod.CONFIG_ENV] = json.dumps(config, sort_keys=True)
 
 
 def P(*keys):
-    """Rule params for dotted params.yaml keys, named as dvc.yaml names them ('.' -> '__')."""
-    return {key.replace(".", "__"): params_mod.get(config, key) for key in keys}
+    """Rule params for dotted params.yaml keys, named as dvc.yaml names them ('.' -> '__').
+    Snakemake reruns a job whose params changed and prints them in its reason line, so a whole
+    section (the train stage's is most of params.yaml) goes in as a short digest."""
+    out = {}
+    for key in keys:
+        value = params_mod.get(config, key)
+        if isinstance(value, (dict, list)):
+            value = params_mod.digest(value)
+        out[key.replace(".", "__")] = value
+    return out
 
 
 def code(*paths):
@@ -59,7 +67,9 @@ def code(*paths):
 def train_gpus():
     """GPUs the train rule occupies (0 on CPU), for Snakemake's scheduler and cluster jobs."""
     train = config["train"]
-    if train["device"] == "cpu":
+    # device auto on a machine without GPUs trains on its CPU (dsflow.machine.resolve_device);
+    # a cluster's submit host has none either: profiles/slurm runs with device cuda.
+    if train["device"] == "cpu" or (train["device"] == "auto" and not machine.scheduler_gpus()):
         return 0
     if train["gpus"] != "auto":
         return train["gpus"]
