@@ -29,7 +29,8 @@ bf16, the same data, seed, batch and sequence length) twice:
   that differ from the baseline's only by rounding drift from it and from each other.
 
 Configs: `dense` and `moe` (the medium preset), `v2lite4` and `moonlight4` (DeepSeek-V2-Lite's
-and Moonlight-16B-A3B's published widths, 4 layers: the two families at real widths). The
+and Moonlight-16B-A3B's published widths, 4 layers: the two families at real widths);
+`dense-mtp1` and `moe-mtp1` add one multi-token prediction depth (model.mtp_depth: 1). The
 variants `lora` and `full-ft` continue the config's random init saved as a checkpoint
 (train.finetune lora or full, every other setting at its default).
 
@@ -99,6 +100,9 @@ CONFIGS = {
     # The `medium` preset (the 3 x 24 GB one), all dense and as published (MoE).
     "dense": {"preset": "medium", "overrides": {"first_k_dense_replace": 16}},
     "moe": {"preset": "medium", "overrides": {}},
+    # DeepSeek-V3's multi-token prediction, one depth (model.mtp_depth), on each of the two
+    "dense-mtp1": {"preset": "medium", "overrides": {"first_k_dense_replace": 16}, "mtp_depth": 1},
+    "moe-mtp1": {"preset": "medium", "overrides": {}, "mtp_depth": 1},
     # Published widths cut to 4 layers: DeepSeek-V2-Lite (the V2 family: softmax routing and
     # its balance loss) and Moonlight-16B-A3B (the V3 family at the same widths).
     "v2lite4": {"preset": "deepseek-v2-lite", "overrides": {"num_hidden_layers": 4}},
@@ -406,9 +410,11 @@ def planned_vs_measured(r: dict) -> str:
 
 
 def flops_per_token(config: dict, frozen: bool = False, seq: int = SEQ) -> float:
-    """As the train stage counts them; `frozen`: LoRA (no weight gradients of the base)."""
+    """As the train stage counts them; `frozen`: LoRA (no weight gradients of the base); the
+    multi-token prediction depths of a config with `mtp_depth`."""
     model = model_config(config["preset"], vocab_size(), config["overrides"])
-    return flops.flops_per_token(model, seq, frozen=frozen)
+    depth = config.get("mtp_depth", 0)
+    return flops.flops_per_token(model, seq, frozen=frozen, mtp_depth=depth)
 
 
 def smoothed(curve: dict[int, float], steps: list[int], width: int = SMOOTH) -> list[float]:
