@@ -150,6 +150,21 @@ def test_mfu_counts_the_mtp_depths():
     assert flops_per_token(c, T, mtp_depth=0) == flops_per_token(c, T)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": 24}, {"first_k_dense_replace": 6}])
+def test_param_counts_count_the_mtp_modules_exactly(overrides):
+    """presets.param_counts(config, depth)'s total, which metrics/train.json and the planner
+    report, is the model's with its MTP modules (dense ones past first_k_dense_replace too)."""
+    from dsflow.model.presets import param_counts
+
+    config = model_config("tiny", VOCAB, overrides)
+    for depth in (1, 2):
+        hf = build_model(config, device_type="cpu", mtp_depth=depth)
+        counts = param_counts(config, depth)
+        assert counts["mtp"] == sum(p.numel() for p in hf.mtp.parameters())
+        assert counts["total"] == sum(p.numel() for p in hf.parameters())
+        assert counts["activated"] == param_counts(config)["activated"]
+
+
 def tokenizer_folder(path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -353,6 +368,7 @@ def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared
     )
     want, got = trained.mtp.state_dict(), again.mtp.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
+    assert metrics["params_total"] == sum(p.numel() for p in trained.parameters())
 
     v2 = tmp_path / "v2"
     shutil.copytree(prepared, v2, ignore=shutil.ignore_patterns("checkpoints", "models"))
