@@ -232,6 +232,21 @@ def test_the_walk_takes_each_steps_accepted_drafts_and_stops_at_the_end():
     assert walk["acceptance"] == [2 / 3, 1 / 2]
 
 
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": 24}, {"first_k_dense_replace": 6}])
+def test_param_counts_count_the_mtp_modules_exactly(overrides):
+    """presets.param_counts(config, depth)'s total, which metrics/train.json and the planner
+    report, is the model's with its MTP modules (dense ones past first_k_dense_replace too)."""
+    from dsflow.model.presets import param_counts
+
+    config = model_config("tiny", VOCAB, overrides)
+    for depth in (1, 2):
+        hf = build_model(config, device_type="cpu", mtp_depth=depth)
+        counts = param_counts(config, depth)
+        assert counts["mtp"] == sum(p.numel() for p in hf.mtp.parameters())
+        assert counts["total"] == sum(p.numel() for p in hf.parameters())
+        assert counts["activated"] == param_counts(config)["activated"]
+
+
 def tokenizer_folder(path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -435,6 +450,7 @@ def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared
     )
     want, got = trained.mtp.state_dict(), again.mtp.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
+    assert metrics["params_total"] == sum(p.numel() for p in trained.parameters())
 
     # The evaluate stage (2 ranks) scores each head's top-1 and decodes speculatively.
     update_params(full, {"evaluate": {"max_windows": 6, "speculative_prompts": 2}})

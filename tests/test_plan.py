@@ -16,7 +16,7 @@ import torch
 from dsflow import machine
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
-from dsflow.model import lora
+from dsflow.model import lora, mtp
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.flops import flops_per_token
 from dsflow.model.loss import TrainingLM, mean_loss
@@ -104,9 +104,12 @@ def _saved_activations():
     return saved_activations
 
 
-def _measured_saved_bytes(config, micro, seq, dtype, ce_chunk=0) -> int:
+def _measured_saved_bytes(
+    config, micro, seq, dtype, ce_chunk=0, mtp_depth=0, checkpointing=False
+) -> int:
     """Bytes autograd saves for backward (parameters excluded), with the flash SDPA kernel the
-    CPU has and the grouped_mm experts path CUDA uses; `ce_chunk` > 0: the fused loss."""
+    CPU has and the grouped_mm experts path CUDA uses; `ce_chunk` > 0: the fused loss;
+    `mtp_depth`: dsflow.model.mtp's depths attached; `checkpointing`: HF's, per layer."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AutoModelForCausalLM
 
@@ -118,12 +121,15 @@ def _measured_saved_bytes(config, micro, seq, dtype, ce_chunk=0) -> int:
         dtype=dtype,
     )
     model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mtp.attach(model, mtp_depth)  # before the balancer, which hooks the MTP routers too
     balancer = ExpertBalancer(model, gamma=1e-3, seq_aux_alpha=1e-4)
     saved, pack = _saved_activations().saved_counter(model)
     ids = torch.randint(0, config.vocab_size, (micro, seq + 1))
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            if ce_chunk:
+            if ce_chunk or mtp_depth:
                 loss = TrainingLM(model, ce_chunk=ce_chunk)(ids[:, :-1], ids[:, 1:])
             else:
                 loss = mean_loss(model, ids[:, :-1], ids[:, 1:])
@@ -164,6 +170,47 @@ def test_saved_activations_with_the_fused_loss_match_autograd(precision):
     assert predicted["saved_no_checkpointing"] == pytest.approx(measured, rel=0.02)
     full = memory.activation_bytes(config, seq_len=64, micro_batch=2, precision=precision)
     assert predicted["peak_no_checkpointing"] != full["peak_no_checkpointing"]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize(
+    "precision, ce_chunk, checkpointing",
+    [("bf16", 0, False), ("bf16", 37, False), ("fp32", 0, False), ("fp32", 37, False),
+     ("bf16", 37, True)],
+)  # fmt: skip
+def test_saved_activations_with_mtp_match_autograd(depth, precision, ce_chunk, checkpointing):
+    """model.mtp_depth (memory.mtp_activations): each depth keeps what one more eager MoE layer
+    keeps over seq - k tokens, its norms, eh_proj's input and a head of its own; HF's
+    checkpointing leaves the MTP layers alone (they are no HF decoder layers)."""
+    config = model_config("tiny", 1000, {"v_head_dim": 48})
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    measured = _measured_saved_bytes(config, 2, 64, dtype, ce_chunk, depth, checkpointing)
+    predicted = memory.activation_bytes(
+        config, seq_len=64, micro_batch=2, precision=precision, ce_chunk=ce_chunk, mtp_depth=depth
+    )
+    which = "saved_checkpointing" if checkpointing else "saved_no_checkpointing"
+    assert predicted[which] == pytest.approx(measured, rel=0.02)
+
+
+def test_the_estimate_counts_the_mtp_modules():
+    """model.mtp_depth: the MTP modules' parameters join P (weights, gradients, optimizer
+    states), their activations the layers' with and without checkpointing, and the summary's
+    FLOPs are the trainer's."""
+    config = model_config("tiny", 1000)
+    base, one = _est(config), _est(config, mtp_depth=1)
+    added = sum(p.numel() for p in mtp.MultiTokenPrediction(config, 1).parameters())
+    assert one["params"]["total"] == base["params"]["total"] + added
+    assert one["gpu"]["weights"] == base["gpu"]["weights"] + 2 * added  # ZeRO-2: every weight
+    acts, before = one["activations"], base["activations"]
+    assert acts["mtp"] > 0 and before["mtp"] == 0
+    for key in ("saved_no_checkpointing", "saved_checkpointing", "peak_checkpointing"):
+        assert acts[key] == before[key] + acts["mtp"], key
+    summ = memory.summary(
+        config, seq_len=1024, tokens_per_step=4096, precision="bf16", zero_stage=2,
+        keep_checkpoints=2, mtp_depth=1,
+    )  # fmt: skip
+    assert summ["params_total"] == one["params"]["total"]
+    assert summ["flops_per_token"] == flops_per_token(config, 1024, mtp_depth=1)
 
 
 def _saved_with_fast_paths(config, compiled: bool, **how) -> int:
@@ -812,6 +859,36 @@ def test_cpu_runs_are_planned_as_cpu_ranks(monkeypatch, tmp_path):
         "host_bytes": need,
         "disk_bytes": memory.disk_need(plan["estimate"], plan["summary"]["checkpoints"]),
     }
+
+
+def test_the_plan_of_an_mtp_run_counts_and_names_its_depth(monkeypatch, tmp_path):
+    """model.mtp_depth: in the request, the model line, the totals and FLOPs; a depth the train
+    stage refuses is a one-line UsageError naming the key."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DSFLOW_PROFILES", raising=False)
+    monkeypatch.setattr(machine, "gpus", lambda: [])
+    monkeypatch.setattr(machine, "host_memory_bytes", lambda: 32 * GB)
+    params = _params()
+    assert "MTP" not in tables.format_report(stage.build_plan(params, _args()))
+    params["model"]["mtp_depth"] = 2
+    plan = stage.build_plan(params, _args())
+    assert json.dumps(plan, sort_keys=True) == json.dumps(
+        stage.build_plan(params, _args()), sort_keys=True
+    )
+    req = plan["request"]
+    assert req["mtp_depth"] == 2 and ", MTP depth 2): " in tables.format_report(plan)
+    config = model_config(req["preset"], req["vocab_size"])
+    assert plan["summary"]["params_total"] == param_counts(config, 2)["total"]
+    assert plan["summary"]["flops_per_token"] == flops_per_token(
+        config, req["seq_len"], mtp_depth=2
+    )
+    v2 = stage.build_plan(params, _args("--model", "deepseek-v2-lite", "--gpu-mem", "80"))
+    assert v2["request"]["mtp_depth"] == 0 and "model.mtp_depth 2 ignored" in " ".join(v2["notes"])
+    with pytest.raises(UsageError, match=r"^model.mtp_depth 2: train.seq_len 2 leaves"):
+        request.resolve(params, _args("--seq-len", "2"))
+    params["model"].update(preset="deepseek-v2-lite", overrides={})
+    with pytest.raises(UsageError, match=r"^model.mtp_depth 2: multi-token prediction"):
+        request.resolve(params)
 
 
 @pytest.mark.parametrize(

@@ -451,13 +451,16 @@ def _breakdown(config: Any) -> dict[str, int]:
     )
 
 
-def param_counts(config: Any) -> dict[str, int]:
+def param_counts(config: Any, mtp_depth: int = 0) -> dict[str, int]:
     """Analytic parameter counts of ``DeepseekV3ForCausalLM(config)`` or
     ``DeepseekV2ForCausalLM(config)`` (nothing is instantiated). The two families have the same
     parameters for the same shape: their routers differ in how they score, not in weights.
 
     - ``total``: ``sum(p.numel() for p in model.parameters())`` exactly (tied weights once; a
-      V3 router's ``e_score_correction_bias`` is a buffer, not a parameter, and V2 has none).
+      V3 router's ``e_score_correction_bias`` is a buffer, not a parameter, and V2 has none),
+      with ``mtp_depth`` multi-token-prediction modules attached (``mtp``: theirs).
+    - ``mtp``: :func:`mtp_params`; only ``total`` holds it (DeepSeek's published activated
+      counts are the main model's).
     - ``activated``: the parameters one token's forward pass uses, in the convention that
       reproduces DeepSeek's published numbers (V3 37B, V2 21B, V2-Lite 2.4B): every
       attention projection and norm, dense MLPs, shared experts, the top-k routed experts,
@@ -479,7 +482,8 @@ def param_counts(config: Any) -> dict[str, int]:
         + b["shared_experts"]
         + b["routers"]
     )
-    total = b["embedding"] + b["lm_head"] + common + b["routed_experts"]
+    mtp = mtp_params(config, mtp_depth)
+    total = b["embedding"] + b["lm_head"] + common + b["routed_experts"] + mtp
     activated_non_embedding = common + b["routed_experts_act"]
     # A tied lm_head is the embedding matrix: it is activated (as the output projection).
     head = b["lm_head"] if b["lm_head"] else b["lm_head_matmul"]
@@ -491,6 +495,7 @@ def param_counts(config: Any) -> dict[str, int]:
         embedding=b["embedding"],
         lm_head=b["lm_head"],
         routed_experts=b["routed_experts"],
+        mtp=mtp,
     )
 
 
@@ -506,6 +511,25 @@ def activated_matmul_params(config: Any) -> int:
         + b["routed_experts_act"]
         + b["lm_head_matmul"]
     )
+
+
+def mtp_layer_is_moe(config: Any, k: int) -> bool:
+    """Whether depth `k`'s decoder layer (index num_hidden_layers + k - 1) is an MoE layer, as
+    HF's DeepseekV3DecoderLayer decides from its index."""
+    return config.num_hidden_layers + k - 1 >= (config.first_k_dense_replace or 0)
+
+
+def mtp_params(config: Any, depth: int) -> int:
+    """Parameters of `depth` multi-token-prediction modules (dsflow.model.mtp): per depth
+    enorm, hnorm, shared_head.norm, eh_proj (2H -> H) and one decoder layer. The embedding and
+    the lm_head are the main model's; the router's e_score_correction_bias is a buffer."""
+    d = _dims(config)
+    H = d["H"]
+    attn_mm, attn_other = _attention_params(config)
+    own = 2 * H * H + 3 * H + attn_mm + attn_other + 2 * H  # + the layer's two norms
+    moe = (d["shared"] + d["E"]) * 3 * H * d["mi"] + d["E"] * H
+    dense = 3 * H * d["inter"]
+    return sum(own + (moe if mtp_layer_is_moe(config, k) else dense) for k in range(1, depth + 1))
 
 
 def mtp_matmul_params(config: Any) -> int:

@@ -141,9 +141,9 @@ def note(req: Any) -> str | None:
 
     if req.device != "cuda" or req.world <= 1:
         return None
-    trained = req.lora_adapter or presets.param_counts(req.config)["total"]
+    trained = req.lora_adapter or presets.param_counts(req.config, req.mtp_depth)["total"]
     tokens = req.micro_batch * req.grad_accum * req.seq_len
-    step_flops = flops.flops_per_token(req.config, req.seq_len) * tokens
+    step_flops = flops.flops_per_token(req.config, req.seq_len, mtp_depth=req.mtp_depth) * tokens
     name = _gpu_name(req.gpu_mem_source) or "RTX 4090"
     peak = flops.peak_flops(name, req.precision) or flops.peak_flops("RTX 4090", req.precision)
     traffic = step_traffic(trained, req.world, req.zero_stage, req.grad_accum, step_flops, peak)

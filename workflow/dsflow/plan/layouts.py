@@ -292,13 +292,16 @@ def _attempt(config: Any, setup: memory.Setup, budget: Budget, preset: str | Non
     }
 
 
-def _smaller_presets(config: Any) -> list[tuple[str, Any]]:
-    """(name, config) of the presets with fewer parameters, largest first."""
-    own = presets.param_counts(config)["total"]
+def _smaller_presets(config: Any, mtp_depth: int = 0) -> list[tuple[str, Any]]:
+    """(name, config) of the presets with fewer parameters, largest first; with `mtp_depth`
+    only those of the family the train stage trains MTP for (its own depths counted)."""
+    own = presets.param_counts(config, mtp_depth)["total"]
     sized = []
     for name in presets.PRESETS:
+        if mtp_depth and presets.preset_model_type(name) != "deepseek_v3":
+            continue
         cfg = presets.model_config(name, config.vocab_size)
-        total = presets.param_counts(cfg)["total"]
+        total = presets.param_counts(cfg, mtp_depth)["total"]
         if total < own:
             sized.append((total, name, cfg))
     return [(name, cfg) for _, name, cfg in sorted(sized, key=lambda t: (-t[0], t[1]))]
@@ -344,7 +347,7 @@ def cheapest_fit(
             return rows
     if not smaller_presets:
         return rows
-    for name, cfg in _smaller_presets(config):
+    for name, cfg in _smaller_presets(config, setup.mtp_depth):
         last = None
         for s in ladder:
             last = _attempt(cfg, s, budget, name, micro)

@@ -50,6 +50,9 @@ the measured peaks.)
 - With activation checkpointing (HF ``gradient_checkpointing_enable``, per decoder layer) only
   each layer's input stays (``a x hidden`` per token per layer); backward recomputes one layer at
   a time.
+- Multi-token prediction (``model.mtp_depth``, :func:`mtp_activations`): depth k keeps what one
+  more eager decoder layer keeps over ``seq_len - k`` tokens, plus its input norms, eh_proj's
+  input and a head of its own through the shared lm_head.
 
 Plus DeepSpeed's communication buckets, ZeRO-3's gathered module, and
 :data:`FRAMEWORK_OVERHEAD`. The estimate is a model, not a measurement: it is meant to be within
@@ -151,6 +154,7 @@ class Setup:
     ce_chunk: int = 0  # train.perf.ce_chunk as resolved: 0 = the full fp32 logits
     compiled: bool = False  # train.perf.compile as resolved; no layout compiles at ZeRO-3
     fp8: str = "off"  # train.perf.fp8's recipe ("off": bf16 linears)
+    mtp_depth: int = 0  # model.mtp_depth: DeepSeek-V3's multi-token-prediction modules
     experts_in_graph: bool = False  # the sorted experts in bf16: inside the compiled graphs
     # The setting that makes the train stage refuse ZeRO-3 (train.perf.compile: true, or
     # train.perf.fp8 or fp8_experts on), so that no plan offers it; "" = none.
@@ -350,6 +354,7 @@ def activation_bytes(
     frozen_base: bool = False,
     fp8: str = "off",
     experts_in_graph: bool = False,
+    mtp_depth: int = 0,
 ) -> dict[str, Any]:
     """Activation memory of one micro batch, without and with activation checkpointing.
     ``ce_chunk`` > 0: the fused lm_head + cross-entropy (dsflow.model.loss) over chunks of that
@@ -360,7 +365,8 @@ def activation_bytes(
     gradient for the lm_head, no router keeps its fp32 input and no norm its 16-bit output.
     ``fp8``: train.perf.fp8's recipe; compiled layers then keep less (:func:`fp8_unsaved`).
     ``experts_in_graph``: the routed experts run inside the compiled graphs (the sorted experts
-    in bf16), which then keep less of theirs.
+    in bf16), which then keep less of theirs. ``mtp_depth``: the multi-token-prediction depths
+    (:func:`mtp_activations`), kept with and without activation checkpointing.
 
     ``saved_*`` is what autograd keeps between forward and backward (what
     ``torch.autograd.graph.saved_tensors_hooks`` sees, parameters excluded); ``peak_*`` adds the
@@ -397,12 +403,16 @@ def activation_bytes(
     # un-permuted into a second fp32 copy: transient, one layer at a time (backward: their grads).
     moe_transient = (8 * H * K * T) if d["n_moe"] else 0
     largest_layer = max(layer_dense if d["n_dense"] else 0, layer_moe if d["n_moe"] else 0)
+    # The depths' heads are no larger than the main one: its transient stands for theirs.
+    mtp = mtp_activations(
+        config, (per_tok_dense, per_tok_moe), a, micro_batch, seq_len, mtp_depth, ce_chunk
+    )
 
-    saved_full = embed + layers + head + logits_saved
-    peak_full = embed + layers + head + max(logits_peak, moe_transient)
+    saved_full = embed + layers + mtp + head + logits_saved
+    peak_full = embed + layers + mtp + head + max(logits_peak, moe_transient)
     ckpt_inputs = d["L"] * a * H * T  # each checkpointed layer keeps its input only
-    saved_ckpt = embed + ckpt_inputs + head + logits_saved
-    peak_ckpt = embed + ckpt_inputs + head + max(logits_peak, largest_layer + moe_transient)
+    saved_ckpt = embed + ckpt_inputs + mtp + head + logits_saved
+    peak_ckpt = embed + ckpt_inputs + mtp + head + max(logits_peak, largest_layer + moe_transient)
     return {
         "tokens": T,
         "bytes_per_element": a,
@@ -415,6 +425,7 @@ def activation_bytes(
         "layers": layers,
         "embedding": embed,
         "head": head,
+        "mtp": mtp,
         "logits_saved": logits_saved,
         "logits_peak": logits_peak,
         "moe_transient": moe_transient,
@@ -424,6 +435,38 @@ def activation_bytes(
         "peak_no_checkpointing": peak_full,
         "peak_checkpointing": peak_ckpt,
     }
+
+
+def mtp_activations(
+    config: Any,
+    per_token: tuple[int, int],
+    a: int,
+    micro: int,
+    seq_len: int,
+    depth: int,
+    ce_chunk: int,
+) -> int:
+    """Bytes autograd keeps for `depth` multi-token-prediction depths (dsflow.model.mtp), from
+    the (dense, MoE) decoder-layer bytes per token of eager layers: an MTP layer is neither
+    compiled (fastpaths compiles model.layers) nor checkpointed (it is no HF decoder layer),
+    and never under LoRA (the train stage refuses it). Depth k, on seq_len - k positions: its
+    layer, enorm and hnorm, eh_proj's 2H-wide input, and its head: shared_head.norm, then the
+    lm_head's input, fp32 logits and the targets' int64 copy, or the fused loss's gradients."""
+    d = presets._dims(config)
+    H, V = d["H"], d["V"]
+    total = 0
+    for k in range(1, depth + 1):
+        n = seq_len - k
+        T = micro * n
+        moe = presets.mtp_layer_is_moe(config, k)
+        layer = (per_token[1] if moe else per_token[0]) + 2 * _norm(H, a) + 2 * a * H
+        router_weight = 4 * d["E"] * H if moe and a < 4 else 0
+        if ce_chunk:
+            head, saved, _ = _fused_head(d, a, T, min(ce_chunk, T))
+        else:
+            head, saved = (_norm(H, a) + a * H + 8) * T, 4 * V * T
+        total += layer * T + a * d["rope"] * n + router_weight + head + saved
+    return total
 
 
 def _fused_head(
@@ -570,6 +613,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "compiled": setup.compiles,
         "fp8": setup.fp8,
         "experts_in_graph": setup.experts_in_graph,
+        "mtp_depth": setup.mtp_depth,
     }
 
 
@@ -594,7 +638,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
     copy of them.
     """
     _check(setup)
-    P = presets.param_counts(config)["total"]
+    P = presets.param_counts(config, setup.mtp_depth)["total"]
     shapes = largest_module(config)
     states, host = _model_states(P, setup)
     swap = 0
@@ -612,6 +656,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         frozen_base=setup.lora_adapter > 0,
         fp8=setup.fp8,
         experts_in_graph=setup.experts_in_graph,
+        mtp_depth=setup.mtp_depth,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
     acts.update(_lora_activations(setup, acts["tokens"]))
@@ -702,19 +747,21 @@ def summary(
     keep_checkpoints: int,
     checkpoints: int | None = None,
     trainable: int = 0,
+    mtp_depth: int = 0,
 ) -> dict[str, Any]:
     """Parameter counts, FLOPs (the trainer's MFU formula) and on-disk sizes.
 
     ``checkpoints``: how many exist at once at the peak (:func:`checkpoints_on_disk`; default
     keep + 1), plus the exported HF model (models/final, safetensors in the training dtype).
-    ``trainable``: LoRA's adapter parameters (0: every parameter trains).
+    ``trainable``: LoRA's adapter parameters (0: every parameter trains). ``mtp_depth``: the
+    multi-token-prediction depths, in the total (as metrics/train.json counts it) and FLOPs.
     """
-    counts = presets.param_counts(config)
+    counts = presets.param_counts(config, mtp_depth)
     P = counts["total"]
     ckpt = checkpoint_bytes(P, precision, zero_stage, trainable)
     export = bytes_per_element(precision) * P
     checkpoints = keep_checkpoints + 1 if checkpoints is None else checkpoints
-    fpt = flops_per_token(config, seq_len, frozen=bool(trainable))
+    fpt = flops_per_token(config, seq_len, frozen=bool(trainable), mtp_depth=mtp_depth)
     return {
         "params_total": P,
         "params_activated": counts["activated"],

@@ -12,7 +12,7 @@ from typing import Any
 
 from dsflow import dsconfig, machine
 from dsflow.errors import UsageError
-from dsflow.model import lora, presets, source
+from dsflow.model import lora, mtp, presets, source
 from dsflow.model.build import load_checkpoint_config
 from dsflow.params import fp8_on
 from dsflow.paths import shard_index
@@ -131,6 +131,7 @@ class Request(memory.Setup):
             keep_checkpoints=self.keep_checkpoints,
             checkpoints=self.checkpoints,
             trainable=self.lora_adapter,
+            mtp_depth=self.mtp_depth,
         )
 
 
@@ -200,6 +201,22 @@ def _model(params: dict, args: Any, notes: list[str]) -> tuple[str, dict, str | 
             f"unknown model preset {preset!r}; choose one of: {', '.join(presets.PRESETS)}"
         )
     return preset, overrides, pretrained
+
+
+def _mtp_depth(params: dict, args: Any, config: Any, seq_len: int, notes: list[str]) -> int:
+    """model.mtp_depth, as the train stage takes it: a V2-family model or a window of no more
+    tokens than depths is a one-line UsageError. ``--model`` keeps it for a V3 preset only."""
+    depth = int(params["model"].get("mtp_depth", 0))
+    if depth and _arg(args, "model") and config.model_type != "deepseek_v3":
+        notes.append(f"--model given: model.mtp_depth {depth} ignored ({config.model_type})")
+        return 0
+    mtp.check_depth(depth, config.model_type)
+    if depth >= seq_len:
+        raise UsageError(
+            f"model.mtp_depth {depth}: train.seq_len {seq_len} leaves depth {seq_len} and "
+            "deeper no tokens to predict; set model.mtp_depth below train.seq_len"
+        )
+    return depth
 
 
 def _world(train: dict, args: Any, world: int | None, gpus: list[dict]) -> int:
@@ -513,12 +530,14 @@ def resolve(
     where = _resources(train, args, gpus, world, (gpu_mem_bytes, host_mem_bytes, disk_free_bytes))
     zero, offload_opt, offload_par = _layout(train, args, world, where["device"], notes)
     offload_device, nvme_path = _offload_device(train, args)
+    seq_len = int(_arg(args, "seq_len") or train["seq_len"])
     return Request(
         config=config,
         preset=model[0],
         vocab_size=int(config.vocab_size),
         vocab_source=vocab_source,
-        seq_len=int(_arg(args, "seq_len") or train["seq_len"]),
+        seq_len=seq_len,
+        mtp_depth=_mtp_depth(params, args, config, seq_len, notes),
         micro_batch=micro,
         grad_accum=accum,
         world=world,

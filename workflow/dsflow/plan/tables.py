@@ -202,8 +202,9 @@ def _disk_line(rep: dict) -> str:
 def format_report(rep: dict) -> str:
     """The plan (what reports/plan.json holds) as the text `python -m dsflow plan` prints."""
     req, summ = rep["request"], rep["summary"]
+    mtp = f", MTP depth {req['mtp_depth']}" if req.get("mtp_depth") else ""
     lines = [
-        f"model {req['preset']} (vocab {req['vocab_size']}, {req['vocab_source']}): "
+        f"model {req['preset']} (vocab {req['vocab_size']}, {req['vocab_source']}{mtp}): "
         f"{summ['params_total'] / 1e9:.3f}B params, {summ['params_activated'] / 1e9:.3f}B "
         f"activated, {summ['flops_per_token'] / 1e9:.2f} GFLOP/token",
         _run_line(req),

@@ -258,7 +258,7 @@ def finish_run(run: engine.Run, spec: RunSpec, meter: Meter) -> int:
     save_final_model(run, spec)
     if run.rank == 0:
         health = meter.health
-        counts = param_counts(run.model.config)
+        counts = param_counts(run.model.config, spec.model.get("mtp_depth", 0))
         metrics = summary(
             spec,
             meter.history,
@@ -306,7 +306,7 @@ def rebuild_metrics(run: engine.Run, spec: RunSpec, step: int, health, state, va
     train_loss = mine[0].get("train/loss") if mine else None
     wall_s = (state or {}).get(WALL_KEY)
     device_name = torch.cuda.get_device_name(run.device) if run.cuda else "cpu"
-    counts = param_counts(run.model.config)
+    counts = param_counts(run.model.config, spec.model.get("mtp_depth", 0))
     hw = outcome(run, spec, device_name, health)
     write_metrics(summary(spec, history, counts, val_loss, train_loss, wall_s, hw))
 
