@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import io
 
 import pytest
@@ -17,7 +18,10 @@ def state() -> dict:
     bf16, and an object (a loss scaler's kind)."""
     flat = torch.arange(24, dtype=torch.float32)
     module = torch.nn.Linear(2, 2).state_dict()  # an OrderedDict with _metadata
+    tagged = torch.ones(2)
+    tagged.ds_id = 5  # a Python attribute, pickled with the tensor
     return {
+        "tagged": tagged,
         "module": module,
         "master": torch.zeros(3, requires_grad=True),
         "flat": flat,
@@ -44,12 +48,14 @@ def engines(*kinds):
 
 def test_a_host_copy_saves_to_the_same_bytes_and_keeps_storages_shared():
     sd = state()
+    sd["groups"] = collections.defaultdict(list, {"a": [sd["flat"][:2]]})  # not in checkpoints
     host = to_host(sd)
     assert zipped(host) == zipped(sd)
     views = host["views"]
     assert views[0].untyped_storage().data_ptr() == host["flat"].untyped_storage().data_ptr()
     assert views[1].untyped_storage().data_ptr() == host["flat"].untyped_storage().data_ptr()
     assert isinstance(host["param"], torch.nn.Parameter) and host["param"].requires_grad
+    assert host["tagged"].ds_id == 5 and host["groups"].default_factory is list
     # A copy: training's in-place updates after the save do not reach it.
     sd["flat"].add_(100)
     sd["param"].data.zero_()

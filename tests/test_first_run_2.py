@@ -52,6 +52,24 @@ def test_a_pretrained_checkpoint_is_planned_with_its_own_vocabulary(lora_profile
     assert plan["verdict"]["fits"] is True
 
 
+def test_the_plan_says_what_background_checkpoints_hold_in_host_memory(lora_profile):
+    from dsflow.plan import memory
+
+    quiet = stage.build_plan(lora_profile, host_mem_bytes=128 * GB, disk_free_bytes=500 * GB)
+    assert not any("async_checkpoints" in n for n in quiet["notes"])
+    lora_profile["train"]["async_checkpoints"] = True
+    plan = stage.build_plan(lora_profile, host_mem_bytes=128 * GB, disk_free_bytes=500 * GB)
+    inp = plan["estimate"]["inputs"]
+    whole = memory.checkpoint_bytes(
+        plan["estimate"]["params"]["total"],
+        inp["precision"],
+        inp["zero_stage"],
+        inp["lora_adapter"],
+    )
+    [note] = [n for n in plan["notes"] if "async_checkpoints" in n]
+    assert f"holds {whole / 1e9:.1f} GB of pinned host memory per node" in note  # one node
+
+
 def test_a_pretrained_checkpoint_is_never_offered_another_preset(lora_profile):
     """With too little host RAM for V2-Lite, the old plan recommended `preset medium`: not an
     option for a fine-tune of a checkpoint. Only layouts, micro batch, offload, checkpointing."""

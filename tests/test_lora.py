@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,38 @@ def test_merged_and_adapter_exports_reproduce_the_adapted_model(tmp_path):
         got_adapter = adapted(input_ids=x, labels=x).loss
     torch.testing.assert_close(got_adapter, want, rtol=0, atol=0)
     torch.testing.assert_close(got_merged, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lora_export_keeps_the_base_checkpoints_mtp_layers(tmp_path):
+    """A DeepSeek-V3 checkpoint laid out with its MTP layer (model.layers.{L}.*): LoRA trains
+    the main model (mtp_depth 0) and models/final keeps the MTP layer exactly as it was."""
+    from safetensors import safe_open
+    from test_mtp import tokenizer_folder
+
+    from dsflow.model import mtp
+    from dsflow.model.build import save_hf
+    from dsflow.safeload import check_model_folder
+
+    torch.manual_seed(0)
+    with_mtp = build_model(_config(), device_type="cpu", mtp_depth=1)
+    tokenizer = tokenizer_folder(tmp_path / "tokenizer")
+    save_hf(with_mtp, tmp_path / "base", tokenizer)
+    base = str(tmp_path / "base")
+    peft_model = lora.attach(build_model(_config(), device_type="cpu", pretrained=base), ALL)
+    _train(peft_model)
+    lora.save_final(peft_model, base, tmp_path / "final", tokenizer, "fp32")
+
+    check_model_folder(tmp_path / "final", "rerun")  # the shard is hashed with the rest
+    want = mtp.published_state(with_mtp.state_dict())
+    with safe_open(str(tmp_path / "final" / "model-mtp.safetensors"), "pt") as fh:
+        assert set(fh.keys()) == set(want)
+        assert all(torch.equal(fh.get_tensor(k), want[k]) for k in want)
+    config = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    # The main weights are the merged, trained ones, not the base's.
+    merged = build_model(_config(), device_type="cpu", pretrained=str(tmp_path / "final"))
+    q = "model.layers.0.self_attn.o_proj.weight"
+    assert not torch.equal(merged.state_dict()[q], with_mtp.state_dict()[q])
 
 
 @pytest.mark.parametrize(

@@ -305,7 +305,7 @@ def test_export_writes_the_published_layout_and_reloads_exactly(tmp_path, capsys
     capsys.readouterr()
     none = build_model(config, device_type="cpu", pretrained=str(out))
     assert getattr(none, "mtp", None) is None and none.config.num_mtp_layers == 0
-    assert "holds 2 MTP layer(s), not trained and not exported" in capsys.readouterr().err
+    assert "holds 2 MTP layer(s), not trained with model.mtp_depth 0" in capsys.readouterr().err
 
 
 def test_a_block_fp8_checkpoints_mtp_layer_loads_dequantized(tmp_path):

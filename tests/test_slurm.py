@@ -83,6 +83,12 @@ def test_train_job_asks_for_nodes_gpus_per_node_and_one_task_per_node(tmp_path):
     resources = next(x for x in dry.stdout.splitlines() if x.strip().startswith("resources:"))
     for item in ("nodes=2", "gres=gpu:4", "gpus=4", "slurm_partition=gpu", "runtime=2880"):
         assert item in resources
+    # device auto too: the submit host has no GPUs, the cluster's train nodes do.
+    update_params(repo, {"train": {"device": "auto"}})
+    dry = run(["snakemake", "-n", "--profile", "profiles/slurm", "train"], cwd=repo, env=env)
+    resources = next(x for x in dry.stdout.splitlines() if x.strip().startswith("resources:"))
+    assert "gres=gpu:4" in resources and "gpus=4" in resources, resources
+    update_params(repo, {"train": {"device": "cuda"}})
 
     args = submit(repo, env, tmp_path)
     call = " ".join(args)

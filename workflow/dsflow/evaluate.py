@@ -112,24 +112,37 @@ def scored(model, inputs, targets) -> tuple[torch.Tensor, list[list[int]]]:
     return logits_nll(logits, targets), hits.tolist()
 
 
-def mtp_metrics(model, reader, scores: dict, cfg: dict, device) -> dict:
-    """With MTP layers in the export: each head's top-1 accuracy over the scored windows and
-    greedy self-speculative decoding of the first `speculative_prompts` val windows' first
-    halves, `speculative_tokens` each (mtp.speculative)."""
+def speculative_share(model, reader, cfg: dict, device, rank: int, world: int) -> list[dict]:
+    """With MTP layers: this rank's round-robin share of greedy self-speculative decoding
+    (mtp.speculative) of the first `speculative_prompts` val windows' first halves,
+    `speculative_tokens` tokens each, `micro_batch` prompts at a time."""
+    if getattr(model, "mtp", None) is None:
+        return []
+    seq = reader.seq_len
+    mine = list(range(rank, min(cfg["speculative_prompts"], reader.num_windows), world))
+    walks = []
+    for start in range(0, len(mine), cfg["micro_batch"]):
+        ids = mine[start : start + cfg["micro_batch"]]
+        half = np.stack([reader.tokens(i * seq, seq // 2) for i in ids])
+        prompts = torch.as_tensor(half.astype(np.int64), device=device)
+        walks.append(mtp.speculative(model, prompts, cfg["speculative_tokens"]))
+    return walks
+
+
+def mtp_metrics(model, seq: int, scores: dict, walks: list[dict]) -> dict:
+    """With MTP layers: each head's top-1 accuracy over the scored windows, and the
+    speculative decoding of every rank's share as one walk."""
     if getattr(model, "mtp", None) is None:
         return {}
-    seq, n = reader.seq_len, len(scores)
+    n = len(scores)
     hits = [sum(col) for col in zip(*(scores[i][3] for i in sorted(scores)), strict=True)]
     out = {"top1_accuracy": hits[0] / (n * seq)}
     for k, h in enumerate(hits[1:], start=1):
         out[f"mtp_top1_accuracy_{k}"] = h / (n * (seq - k))
-    count = min(cfg["speculative_prompts"], reader.num_windows)
-    if count:
-        half = np.stack([reader.tokens(i * seq, seq // 2) for i in range(count)])
-        prompts = torch.as_tensor(half.astype(np.int64), device=device)
-        walk = mtp.speculative(model, prompts, cfg["speculative_tokens"])
+    if walks:
+        walk = mtp.merged(walks)
         out["speculative_tokens_per_step"] = walk["tokens_per_step"]
-        out["speculative_speedup"] = walk["speedup"]
+        out["speculative_speedup"] = mtp.speedup(walk, model.config, len(model.mtp.layers))
         for k, rate in enumerate(walk["acceptance"], start=1):
             out[f"speculative_acceptance_{k}"] = rate
     return out
@@ -216,12 +229,14 @@ def evaluate_rank(params: dict, device_type: str) -> None:
         balancer,
     )
     expert = balancer.eval_stats()  # all-reduced over ranks
+    walks = speculative_share(model, reader, cfg, device, rank, world)
     if distributed:
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, scores)
-        scores = {k: v for part in gathered for k, v in part.items()}
+        dist.all_gather_object(gathered, (scores, walks))
+        scores = {k: v for part, _ in gathered for k, v in part.items()}
+        walks = [w for _, part in gathered for w in part]
     if rank == 0:
-        extra = mtp_metrics(model, reader, scores, cfg, device)
+        extra = mtp_metrics(model, reader.seq_len, scores, walks)
         write_results(params, model, tokenizer, scores, expert, exact, world, device, extra)
     if distributed:
         dist.barrier()

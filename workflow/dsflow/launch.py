@@ -484,6 +484,11 @@ BEAT = struct.Struct("<dqqqq")
 STOP_GRACE_S = 10  # after SIGTERM to a job the stage stops, how long before SIGKILL
 
 
+# Start-up, checkpoint saves and the final export may keep the ranks apart for long (one rank
+# loads or writes what the others do not): there a rank waits this long for its peers.
+PATIENT_TIMEOUT_S = 1800
+
+
 def collective_timeout_s(env: Mapping[str, str] = os.environ) -> float:
     """In a rank: train.collective_timeout_s as its stage passed it (300 s when not told)."""
     return float(env.get(COLLECTIVE_TIMEOUT_ENV) or 300)

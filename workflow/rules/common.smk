@@ -67,9 +67,9 @@ def code(*paths):
 def train_gpus():
     """GPUs the train rule occupies (0 on CPU), for Snakemake's scheduler and cluster jobs."""
     train = config["train"]
-    # device auto on a machine without GPUs trains on its CPU (dsflow.machine.resolve_device);
-    # a cluster's submit host has none either: profiles/slurm runs with device cuda.
-    if train["device"] == "cpu" or (train["device"] == "auto" and not machine.scheduler_gpus()):
+    # device auto asks for train.gpus even where Snakemake reads the workflow without GPUs: a
+    # cluster's submit host has none, its train nodes do (the executor is not known yet here).
+    if train["device"] == "cpu":
         return 0
     if train["gpus"] != "auto":
         return train["gpus"]

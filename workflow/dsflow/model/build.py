@@ -114,7 +114,8 @@ def _attach_mtp(model: Any, depth: int, pretrained: str | None) -> None:
     if stored and not depth and os.environ.get("RANK", "0") == "0":  # once, not per rank
         print(
             f"[dsflow] model.pretrained {pretrained!r} holds {stored} MTP layer(s), not trained "
-            "and not exported with model.mtp_depth 0",
+            "with model.mtp_depth 0 (a LoRA export keeps them as they are, a full one leaves "
+            "them out)",
             file=sys.stderr,
         )
     model.config.num_mtp_layers = depth
@@ -304,18 +305,24 @@ def save_hf(module: Any, out: str | os.PathLike, tokenizer: str | os.PathLike, s
     transformers leaves out on load as it does DeepSeek-V3's own."""
     from transformers import AutoTokenizer
 
+    with atomic_dir(out) as tmp:
+        write_weights(module, Path(tmp), state_dict)
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
+        # safetensors writes the file itself, so the hashes are read back once, here.
+        safeload.record_folder(tmp)
+
+
+def write_weights(module: Any, folder: Path, state_dict: dict | None = None) -> None:
+    """The module's config and safetensors weights into `folder` (save_pretrained), its MTP
+    modules (``module.mtp``) as a shard of their own under the published names."""
     extra: dict = {}
     if getattr(module, "mtp", None) is not None:
         full = state_dict if state_dict is not None else module.state_dict()
         extra = mtp.published_state(full)
         state_dict = {k: v for k, v in full.items() if not k.startswith("mtp.")}
-    with atomic_dir(out) as tmp:
-        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        if extra:
-            _add_shard(Path(tmp), MTP_SHARD, extra)
-        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
-        # safetensors writes the file itself, so the hashes are read back once, here.
-        safeload.record_folder(tmp)
+    module.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+    if extra:
+        _add_shard(folder, MTP_SHARD, extra)
 
 
 # The shard of a saved model that holds its multi-token prediction weights.

@@ -187,7 +187,8 @@ def save_final(
 ) -> None:
     """`out` (atomically): the merged model as a plain HF folder, and its adapter in
     `out`/adapter, whose config names its base as `base_name` (model.pretrained as given;
-    default `base`, the local folder). The merge starts from the base checkpoint `base`
+    default `base`, the local folder). Multi-token prediction layers of the base (a DeepSeek-V3
+    checkpoint's) are kept unchanged in `out`. The merge starts from the base checkpoint `base`
     reloaded in `dtype` with the saved adapter put back on it (:func:`load`), so every run
     proves its adapter loads."""
     from pathlib import Path
@@ -197,6 +198,7 @@ def save_final(
 
     from dsflow import safeload
     from dsflow.atomic import atomic_dir
+    from dsflow.model.build import attach_stored_mtp, write_weights
 
     biases = {
         name: buf.detach().cpu().clone()
@@ -210,7 +212,10 @@ def save_final(
         save_adapter(peft_model, str(adapter))
         if biases:
             save_file(biases, str(adapter / BIASES))
-        merged(load(base, adapter, dtype)).save_pretrained(tmp, safe_serialization=True)
+        model = merged(load(base, adapter, dtype))
+        # The base checkpoint's MTP layers: the adapters never trained them, they stay as is.
+        attach_stored_mtp(model, base)
+        write_weights(model, Path(tmp))
         AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
         safeload.record_folder(tmp)  # every file's content hash, checked before a load
 

@@ -255,7 +255,7 @@ def speculative_walk(accepted_at: torch.Tensor, start: int, depth: int) -> dict[
     tokens = steps = 0
     tried, taken = [0] * depth, [0] * depth
     for row in accepted_at.tolist():
-        i, end = start, len(row) - 1  # the last position whose next token is in the row
+        i, end = start, len(row) - 1  # a step at i < end emits token i + 1, inside the row
         while i < end:
             room = end - i - 1  # drafts whose tokens are still inside the row
             got = min(row[i], room)
@@ -263,10 +263,37 @@ def speculative_walk(accepted_at: torch.Tensor, start: int, depth: int) -> dict[
                 tried[k] += 1
                 taken[k] += k < got
             tokens, steps, i = tokens + 1 + got, steps + 1, i + 1 + got
+    return rates({"tokens": tokens, "steps": steps, "tried": tried, "taken": taken})
+
+
+def rates(counts: dict[str, Any]) -> dict[str, Any]:
+    """A walk's counts with its tokens per step and each depth's acceptance added."""
+    tokens, steps = counts["tokens"], counts["steps"]
+    pairs = zip(counts["taken"], counts["tried"], strict=True)
     return {
+        **counts,
         "tokens_per_step": tokens / steps if steps else None,
-        "acceptance": [a / t if t else None for a, t in zip(taken, tried, strict=True)],
+        "acceptance": [a / t if t else None for a, t in pairs],
     }
+
+
+def merged(walks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The walks of several batches of prompts (or ranks) as one."""
+    return rates(
+        {
+            "tokens": sum(w["tokens"] for w in walks),
+            "steps": sum(w["steps"] for w in walks),
+            "tried": [sum(x) for x in zip(*(w["tried"] for w in walks), strict=True)],
+            "taken": [sum(x) for x in zip(*(w["taken"] for w in walks), strict=True)],
+        }
+    )
+
+
+def speedup(walk: dict[str, Any], config: Any, depth: int) -> float | None:
+    """Tokens per step over a step's cost in weights read, the bound of memory-bound decoding:
+    the main model's activated matmul weights plus each depth's."""
+    cost = 1 + depth * mtp_matmul_params(config) / activated_matmul_params(config)
+    return walk["tokens_per_step"] / cost if walk["tokens_per_step"] else None
 
 
 @torch.no_grad()
@@ -283,14 +310,11 @@ def greedy(hf: Any, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
 def speculative(hf: Any, prompts: torch.Tensor, new_tokens: int) -> dict[str, Any]:
     """Greedy self-speculative decoding of `new_tokens` after each prompt, the MTP depths
     drafting and the main model verifying: `speculative_walk` over the main model's greedy
-    continuation (what such decoding emits, since the main model confirms every token).
-    `speedup`: tokens per step over a step's cost in weights read, the bound of memory-bound
-    decoding: the main model's activated matmul weights plus each depth's."""
+    continuation (what such decoding emits, since the main model confirms every token), with
+    its `speedup`."""
     seq = greedy(hf, prompts, new_tokens)
     hidden = hf.model(input_ids=seq, use_cache=False).last_hidden_state
     main = hf.lm_head(hidden).argmax(-1)
     depth = len(hf.mtp.layers)
     walk = speculative_walk(accepted(main, drafts(hf, seq, hidden)), prompts.shape[1] - 1, depth)
-    cost = 1 + depth * mtp_matmul_params(hf.config) / activated_matmul_params(hf.config)
-    walk["speedup"] = walk["tokens_per_step"] / cost if walk["tokens_per_step"] else None
-    return walk
+    return {**walk, "speedup": speedup(walk, hf.config, depth)}

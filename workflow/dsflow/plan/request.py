@@ -206,7 +206,7 @@ def _model(params: dict, args: Any, notes: list[str]) -> tuple[str, dict, str | 
 def _mtp_depth(params: dict, args: Any, config: Any, seq_len: int, notes: list[str]) -> int:
     """model.mtp_depth, as the train stage takes it: a V2-family model or a window of no more
     tokens than depths is a one-line UsageError. ``--model`` keeps it for a V3 preset only."""
-    depth = int(params["model"].get("mtp_depth", 0))
+    depth = int(params["model"]["mtp_depth"])
     if depth and _arg(args, "model") and config.model_type != "deepseek_v3":
         notes.append(f"--model given: model.mtp_depth {depth} ignored ({config.model_type})")
         return 0

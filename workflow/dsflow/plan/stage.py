@@ -116,7 +116,8 @@ def build_plan(
             "in params.yaml: train.perf.activation_checkpointing: true; "
             "train.offload.optimizer / train.offload.param: cpu (params need ZeRO-3)"
         )
-    notes += [line for line in (comm.note(req), _micro_note(req, plan)) if line]
+    extra = (comm.note(req), _micro_note(req, plan), _async_note(params, req, plan))
+    notes += [line for line in extra if line]
     table = tables.plan_rows(
         req.config,
         req,
@@ -130,6 +131,21 @@ def build_plan(
         "notes": notes,
         "overhead": dataclasses.asdict(memory.FRAMEWORK_OVERHEAD),
     }
+
+
+def _async_note(params: dict, req: request.Request, plan: dict) -> str | None:
+    """train.async_checkpoints: what a save holds in each node's host memory while written."""
+    if not params["train"]["async_checkpoints"]:
+        return None
+    est, inp = plan["estimate"], plan["estimate"]["inputs"]
+    whole = memory.checkpoint_bytes(
+        est["params"]["total"], inp["precision"], inp["zero_stage"], inp["lora_adapter"]
+    )
+    per_node = whole * req.ranks_per_node / req.world
+    return (
+        f"train.async_checkpoints: each save holds {per_node / 1e9:.1f} GB of pinned host memory "
+        "per node (its ranks' share of the checkpoint) until it is written"
+    )
 
 
 def _micro_note(req: request.Request, plan: dict) -> str | None:

@@ -571,8 +571,8 @@ def save(run: Any, spec: Any, step: int, health: dict, faults: Any, last_good: s
     for lack of space (or any OSError) ends the run with one line saying what is kept."""
     import torch.distributed as dist
 
+    started = time.perf_counter()  # the pause counts any wait for the save before
     written(run)  # one save in flight at most: the one before is complete first
-    started = time.perf_counter()
     tag = tag_for(step)
     tmp = temp_tag(tag)
     # DeepSpeed stores client state from rank 0 only: gather every rank's RNG into it.
@@ -632,12 +632,16 @@ def _log_save(run: Any, tag: str, started: float, what: str, then: str = "") -> 
         print(f"[dsflow train] checkpoint {tag}: {what} {took:.2f} s{then}", file=sys.stderr)
 
 
-def _end_if_storage(e: BaseException, tag: str, previous: str | None, rank: int) -> None:
-    """A write that failed for lack of space (or any OSError) ends the run in one line; other
-    errors go on up."""
+def _end_if_storage(
+    e: BaseException, tag: str, previous: str | None, rank: int, why: str | None = None
+) -> None:
+    """A write that failed for lack of space (or any OSError) ends the run in one line (`why`:
+    the reason it was ending anyway, kept in the line); other errors go on up."""
     message = save_failure(e, tag, previous, rank)
     if message is None:
         raise e
+    if why:
+        message = f"{message} (the run was stopping: {why})"
     # The other ranks wait in a barrier (or for this rank's files) for this one: leave now, so
     # that they fail fast (their peer is gone) and the launcher stops them.
     report_fatal(message)
@@ -663,10 +667,14 @@ def _publish(run: Any, spec: Any, step: int, hashes: dict, faults: Any, started:
     if run.rank != 0:
         return
     marks = [path / f"{WRITTEN_PREFIX}{r}.json" for r in range(spec.world)]
-    deadline = time.monotonic() + launch.collective_timeout_s()
-    while not all(m.exists() for m in marks):
+    patience = max(launch.PATIENT_TIMEOUT_S, launch.collective_timeout_s())  # as a save in the step
+    deadline = time.monotonic() + patience
+    while missing := [r for r, m in enumerate(marks) if not m.exists()]:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"ranks did not finish writing {path.name} in time")
+            raise TimeoutError(
+                f"rank(s) {', '.join(map(str, missing))} did not finish writing {path.name} in "
+                f"{patience:.0f} s (train.collective_timeout_s, at least {launch.PATIENT_TIMEOUT_S})"
+            )
         time.sleep(WRITTEN_POLL_S)
     merged = {}
     for m in marks:
@@ -676,10 +684,11 @@ def _publish(run: Any, spec: Any, step: int, hashes: dict, faults: Any, started:
     _log_save(run, tag_for(step), started, "written in")
 
 
-def written(run: Any, wait: bool = True) -> None:
+def written(run: Any, wait: bool = True, why: str | None = None) -> None:
     """With train.async_checkpoints: until the checkpoint being written is complete (`wait`
     False: only when its writer has already finished). A write that failed ends the run in one
-    line naming the checkpoint that is kept, as a failed save does."""
+    line naming the checkpoint that is kept, as a failed save does (`why`: the reason the run
+    was ending anyway, which the line keeps)."""
     ce = run.engine.checkpoint_engine
     if getattr(ce, "thread", None) is None or (not wait and ce.busy):
         return
@@ -687,7 +696,7 @@ def written(run: Any, wait: bool = True) -> None:
     try:
         ce.wait()
     except (OSError, RuntimeError) as e:
-        _end_if_storage(e, tag, previous, run.rank)
+        _end_if_storage(e, tag, previous, run.rank, why)
 
 
 def resume(run: Any, spec: Any) -> tuple[int, dict | None]:

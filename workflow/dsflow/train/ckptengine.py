@@ -75,9 +75,10 @@ class AsyncCheckpointEngine(HashingCheckpointEngine):
 
         def work() -> None:
             try:
-                for state, path in jobs:
+                while jobs:  # each host copy goes once written, before the commit
+                    state, path = jobs.pop(0)
                     self.write(state, path)
-                jobs.clear()  # the host copies go before the manifest is committed
+                    del state
                 done(self.take_hashes())
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 self.error = e
@@ -111,9 +112,12 @@ def to_host(obj: Any, memo: dict | None = None) -> Any:
     if isinstance(obj, torch.Tensor):
         return _tensor_to_host(obj, memo)
     if isinstance(obj, dict):
-        host = type(obj)((k, to_host(v, memo)) for k, v in obj.items())
-        if extra := getattr(obj, "__dict__", None):  # a module state_dict's _metadata
-            host.__dict__.update(copy.deepcopy(extra))
+        # Its type, attributes (a module state_dict's _metadata) and a defaultdict's factory.
+        host = copy.copy(obj)
+        for k, v in obj.items():
+            host[k] = to_host(v, memo)
+        if extra := getattr(obj, "__dict__", None):
+            host.__dict__ = copy.deepcopy(extra)
         return host
     if isinstance(obj, list):
         return [to_host(v, memo) for v in obj]
@@ -133,8 +137,12 @@ def _tensor_to_host(t: torch.Tensor, memo: dict) -> torch.Tensor:
         memo[key] = dst.untyped_storage()
     view = torch.empty(0, dtype=t.dtype).set_(memo[key], t.storage_offset(), t.size(), t.stride())
     if isinstance(t, torch.nn.Parameter):
-        return torch.nn.Parameter(view, requires_grad=t.requires_grad)
-    return view.requires_grad_(t.requires_grad)  # saved with the tensor
+        view = torch.nn.Parameter(view, requires_grad=t.requires_grad)
+    else:
+        view.requires_grad_(t.requires_grad)  # saved with the tensor
+    if t.__dict__:  # Python attributes are pickled with the tensor too
+        view.__dict__.update(copy.deepcopy(t.__dict__))
+    return view
 
 
 def install(engine: Any, background: bool = False) -> None:

@@ -46,10 +46,6 @@ from dsflow.train.metrics import (
 )
 from dsflow.train.runspec import RunSpec
 
-# Start-up, checkpoint saves and the final export may keep the ranks apart for long (one rank
-# loads or writes what the others do not): there a collective waits this long for its peers.
-PATIENT_TIMEOUT_S = 1800
-
 
 def main() -> int:
     heartbeat = launch.Heartbeat.from_env()  # first: the stage learns this rank's PID
@@ -106,7 +102,7 @@ def main() -> int:
             return leave(meter, loader, hooks, line, fatal=False)
     loader.close()
     report_compiles(compiled)
-    collective_timeout(max(PATIENT_TIMEOUT_S, timeout))  # the last save and the export
+    collective_timeout(max(launch.PATIENT_TIMEOUT_S, timeout))  # the last save and the export
     if last_saved != spec.steps and start < spec.steps:
         ckpt.save(run, spec, spec.steps, meter.state(), hooks.faults, last_good)
     return finish_run(run, spec, meter)
@@ -171,7 +167,9 @@ def init_distributed() -> torch.device:
     )
     deepspeed.init_distributed(
         dist_backend="nccl" if device_type == "cuda" else "gloo",
-        timeout=datetime.timedelta(seconds=max(PATIENT_TIMEOUT_S, launch.collective_timeout_s())),
+        timeout=datetime.timedelta(
+            seconds=max(launch.PATIENT_TIMEOUT_S, launch.collective_timeout_s())
+        ),
     )
     if device_type != "cuda":
         return torch.device("cpu")
@@ -193,7 +191,7 @@ def collective_timeout(seconds: float) -> None:
 @contextlib.contextmanager
 def patient_collectives(timeout: float):
     """A checkpoint save: rank 0 writes the model's states the others do not."""
-    collective_timeout(max(PATIENT_TIMEOUT_S, timeout))
+    collective_timeout(max(launch.PATIENT_TIMEOUT_S, timeout))
     try:
         yield
     finally:
@@ -231,7 +229,8 @@ def leave(meter: Meter, loader: BatchLoader, hooks: Hooks, line: str, fatal: boo
     (it must not run into the interpreter's teardown). Under the train stage (which reports the
     reason, or asked for the stop through checkpoints/.stop) the exit is clean; run by hand, a
     failure is EXIT_FATAL and a signal the conventional 128 + SIGTERM."""
-    ckpt.written(meter.run)  # the line may name it: a checkpoint still being written, complete
+    # The line may name it: a checkpoint still being written, complete.
+    ckpt.written(meter.run, why=line if fatal else None)
     if meter.run.rank == 0:
         meter.close()
         if fatal:
@@ -258,7 +257,7 @@ def finish_run(run: engine.Run, spec: RunSpec, meter: Meter) -> int:
     save_final_model(run, spec)
     if run.rank == 0:
         health = meter.health
-        counts = param_counts(run.model.config, spec.model.get("mtp_depth", 0))
+        counts = param_counts(run.model.config, spec.model["mtp_depth"])
         metrics = summary(
             spec,
             meter.history,
@@ -306,7 +305,7 @@ def rebuild_metrics(run: engine.Run, spec: RunSpec, step: int, health, state, va
     train_loss = mine[0].get("train/loss") if mine else None
     wall_s = (state or {}).get(WALL_KEY)
     device_name = torch.cuda.get_device_name(run.device) if run.cuda else "cpu"
-    counts = param_counts(run.model.config, spec.model.get("mtp_depth", 0))
+    counts = param_counts(run.model.config, spec.model["mtp_depth"])
     hw = outcome(run, spec, device_name, health)
     write_metrics(summary(spec, history, counts, val_loss, train_loss, wall_s, hw))
 
