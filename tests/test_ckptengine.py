@@ -89,7 +89,7 @@ def test_a_failed_background_write_is_raised_by_wait_not_lost(tmp_path):
     done: list = []
     background.write_behind(done.append)
     background.thread.join()
-    assert not background.busy and isinstance(background.failure(), FileNotFoundError)
+    assert not background.busy and isinstance(background.error, FileNotFoundError)
     with pytest.raises(FileNotFoundError):
         background.wait()
     assert done == [] and background.thread is None

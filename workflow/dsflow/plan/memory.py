@@ -728,13 +728,18 @@ def checkpoints_on_disk(keep: int, steps: int, every: int) -> int:
     return max(1, min(keep + 1, saves))
 
 
+def checkpoint_bytes_of(est: dict) -> int:
+    """One checkpoint of a run laid out as ``est`` (:func:`checkpoint_bytes`)."""
+    inp = est["inputs"]
+    P = est["params"]["total"]
+    return checkpoint_bytes(P, inp["precision"], inp["zero_stage"], inp["lora_adapter"])
+
+
 def disk_need(est: dict, checkpoints: int) -> int:
     """Disk a run laid out as ``est`` needs: ``checkpoints`` checkpoints, the exported HF model
     and NVMe offload's swap files."""
-    inp, P = est["inputs"], est["params"]["total"]
-    ckpt = checkpoint_bytes(P, inp["precision"], inp["zero_stage"], inp["lora_adapter"])
-    export = bytes_per_element(inp["precision"]) * P
-    return checkpoints * ckpt + export + est["nvme"]["node_total"]
+    export = bytes_per_element(est["inputs"]["precision"]) * est["params"]["total"]
+    return checkpoints * checkpoint_bytes_of(est) + export + est["nvme"]["node_total"]
 
 
 def summary(

@@ -137,11 +137,7 @@ def _async_note(params: dict, req: request.Request, plan: dict) -> str | None:
     """train.async_checkpoints: what a save holds in each node's host memory while written."""
     if not params["train"]["async_checkpoints"]:
         return None
-    est, inp = plan["estimate"], plan["estimate"]["inputs"]
-    whole = memory.checkpoint_bytes(
-        est["params"]["total"], inp["precision"], inp["zero_stage"], inp["lora_adapter"]
-    )
-    per_node = whole * req.ranks_per_node / req.world
+    per_node = memory.checkpoint_bytes_of(plan["estimate"]) * req.ranks_per_node / req.world
     return (
         f"train.async_checkpoints: each save holds {per_node / 1e9:.1f} GB of pinned host memory "
         "per node (its ranks' share of the checkpoint) until it is written"

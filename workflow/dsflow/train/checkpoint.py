@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from dsflow import safeload
+from dsflow import launch, safeload
 from dsflow.atomic import atomic_file, fsync_dir
 from dsflow.errors import UsageError
 from dsflow.params import fp8_on
@@ -587,17 +587,17 @@ def save(run: Any, spec: Any, step: int, health: dict, faults: Any, last_good: s
     }
     engine = run.engine
     behind = getattr(engine.checkpoint_engine, "write_behind", None)
+    faults.disk_full(engine, step)
     try:
-        with faults.disk_full(engine, step):
-            # LoRA: the frozen base comes from model.pretrained again on resume, so a
-            # checkpoint holds the adapters (and their optimizer states) alone.
-            engine.save_checkpoint(
-                str(CHECKPOINTS),
-                tag=tmp,
-                client_state=client,
-                save_latest=False,
-                exclude_frozen_parameters=spec.lora_on,
-            )
+        # LoRA: the frozen base comes from model.pretrained again on resume, so a checkpoint
+        # holds the adapters (and their optimizer states) alone.
+        engine.save_checkpoint(
+            str(CHECKPOINTS),
+            tag=tmp,
+            client_state=client,
+            save_latest=False,
+            exclude_frozen_parameters=spec.lora_on,
+        )
         if behind is not None:
             engine.checkpoint_engine.in_flight = (tag, last_good)
             behind(lambda hashes: _publish(run, spec, step, hashes, faults, started))
@@ -658,8 +658,6 @@ WRITTEN_POLL_S = 0.02
 
 def _publish(run: Any, spec: Any, step: int, hashes: dict, faults: Any, started: float) -> None:
     """In this rank's writer thread, once its files of `step` are written."""
-    from dsflow import launch
-
     path = CHECKPOINTS / temp_tag(tag_for(step))
     faults.in_save(step)
     with atomic_file(path / f"{WRITTEN_PREFIX}{run.rank}.json") as f:

@@ -6,9 +6,9 @@ every file hashed as it is written and every file loaded without running pickled
 (train.async_checkpoints) only copies each state dict into host memory there, the one thing
 that must happen before the next optimizer step changes the tensors, and a writer thread
 serializes, hashes and writes the copies while training goes on (the design of torch's async
-distributed checkpoint: stage in host memory, write in the background). The files are the same
-bytes either way (storages keep their sharing; on a GPU they are tagged as host tensors, which
-every load maps back).
+distributed checkpoint: stage in host memory, write in the background). torch.save writes the
+copies as it would the live tensors (storages keep their sharing), except that on a GPU they
+are tagged as host tensors, which every load maps back.
 """
 
 from __future__ import annotations
@@ -89,10 +89,6 @@ class AsyncCheckpointEngine(HashingCheckpointEngine):
     @property
     def busy(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
-
-    def failure(self) -> BaseException | None:
-        """What the finished writer raised, if anything (without waiting)."""
-        return None if self.busy else self.error
 
     def wait(self) -> None:
         """Until the writer is done; raises what it raised."""

@@ -5,7 +5,6 @@ train stage's watchdog reads (dsflow.launch.Heartbeat: a few bytes written to me
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -261,20 +260,20 @@ class Faults:
     def nan(self, step: int) -> bool:
         return self.nan_from is not None and step >= self.nan_from
 
-    @contextlib.contextmanager
-    def disk_full(self, engine, step: int):
-        if self._here(step, self.enospc_step):
-            # A full disk from here on: the run ends at this save (train.async_checkpoints: in
-            # its writer thread, after this returns), so nothing is put back.
-            def write(state_dict, path):
-                with open(path, "wb") as f:
-                    f.write(b"\0" * 4096)  # what a full disk leaves: a partial file
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    def disk_full(self, engine, step: int) -> None:
+        """Before step `step`'s save: its checkpoint writes fail with ENOSPC. The run ends at
+        this save (train.async_checkpoints: in its writer thread), so nothing is put back."""
+        if not self._here(step, self.enospc_step):
+            return
 
-            ce = engine.checkpoint_engine
-            # dsflow's engines write through `write`; another engine (a ds_config's) saves.
-            setattr(ce, "write" if hasattr(ce, "write") else "save", write)
-        yield
+        def write(state_dict, path):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 4096)  # what a full disk leaves: a partial file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        ce = engine.checkpoint_engine
+        # dsflow's engines write through `write`; another engine (a ds_config's) saves.
+        setattr(ce, "write" if hasattr(ce, "write") else "save", write)
 
 
 class Hooks:
