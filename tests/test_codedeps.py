@@ -1,12 +1,15 @@
 """Declared = imported: the code each stage declares in dvc.yaml (and so, through the parity test,
-in the Snakefile) is exactly the dsflow code the stage runs, so editing a module reruns every stage
-that imports it and no other."""
+in the Snakefile) is exactly the dsflow code the stage runs, and the data files that code reads
+(the builtin grammar), so editing either reruns every stage that uses it and no other."""
 
 from __future__ import annotations
 
 import ast
+import re
+from fnmatch import fnmatch
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import ROOT
@@ -42,9 +45,21 @@ def imported_modules(path: Path) -> set[str]:
     return {m for m in found if module_file(m) is not None}
 
 
+def data_files(path: Path) -> set[Path]:
+    """Files beside a module that it names in a string ("grammar.txt"): data it reads."""
+    names = {
+        node.value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+    beside = {path.parent / n for n in names if re.fullmatch(r"[\w-]+\.\w+", n)}
+    return {f for f in beside if f.suffix != ".py" and f.is_file()}
+
+
 def closure(module: str) -> set[str]:
-    """Files (relative to the repository) of `module` and everything it imports, transitively.
-    Empty __init__.py files hold no code, and dsflow's own only its version: both are left out."""
+    """Files (relative to the repository) of `module` and everything it imports, transitively,
+    with the data files they read. Empty __init__.py files hold no code, and dsflow's own only
+    its version: both are left out."""
     seen, todo = set(), [module]
     while todo:
         name = todo.pop()
@@ -55,11 +70,12 @@ def closure(module: str) -> set[str]:
         todo += [".".join(parts[:i]) for i in range(2, len(parts))]  # parent packages
         todo += sorted(imported_modules(module_file(name)))
     files = {module_file(m) for m in seen} - {TOP}
+    files |= {f for m in seen for f in data_files(module_file(m))}
     return {str(f.relative_to(ROOT)) for f in files if f.read_text().strip()}
 
 
 def declared_code(deps: list[str]) -> set[str]:
-    """The .py files a stage's deps name: files as they are, folders expanded."""
+    """The dsflow files a stage's deps name: files as they are, folders as their .py files."""
     out = set()
     for dep in deps:
         if not dep.startswith(CODE):
@@ -94,7 +110,26 @@ def test_the_closure_follows_lazy_imports_and_launched_modules(tmp_path):
     assert f"{CODE}/model/loss.py" in closure(STAGES["evaluate"])
     # export imports the balancer inside a function (it loads torch).
     assert f"{CODE}/model/balance.py" in closure(STAGES["export"])
+    # download imports the grammar, which reads its rules from a file beside it.
+    assert f"{CODE}/data/grammar.txt" in closure(STAGES["download"])
     assert f"{CODE}/report.py" not in train
+
+
+def test_the_data_files_in_the_package_ship_with_it():
+    # A non-editable install copies a package's .py files only, and the data files that
+    # pyproject.toml lists.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    data = [
+        f
+        for f in (PACKAGE / "dsflow").rglob("*")
+        if f.is_file() and f.suffix not in (".py", ".pyc") and "__pycache__" not in f.parts
+    ]
+    assert f"{CODE}/data/grammar.txt" in {str(f.relative_to(ROOT)) for f in data}
+    for f in data:
+        package = ".".join(f.parent.relative_to(PACKAGE).parts)
+        patterns = listed["package-data"].get(package, [])
+        assert any(fnmatch(f.name, p) for p in patterns), f"{f} is not in package-data"
 
 
 def test_no_stage_module_imports_another_stage_module():

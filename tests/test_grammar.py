@@ -5,23 +5,29 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import shutil
+import sys
 from fractions import Fraction
 
 import pytest
 
+from conftest import ROOT, run
 from dsflow.data import grammar
-from dsflow.data.grammar import GrammarError, _compile, _render
+from dsflow.data.grammar import Grammar, GrammarError, _render
+from dsflow.errors import UsageError
+from grammar_ll1 import builtin_predict, compile_checked, parse, score
 
 N_DOCS = 2000
 SEED = 1234
-# Written out rather than read from grammar.PRONOUNS, so that a wrong table fails the test.
+# Written out rather than read from grammar.txt's pronouns, so that a wrong table fails the test.
 PRONOUN_FORMS = {
     "f": {"she", "her", "herself"},
     "m": {"he", "him", "his", "himself"},
     "n": {"they", "them", "their", "themselves"},
 }
 ALL_PRONOUNS = set().union(*PRONOUN_FORMS.values())
-HERO_NAMES = set(grammar.WORDS["hero_name"].split())
+BUILTIN = grammar.builtin()
+HERO_NAMES = set(BUILTIN.words["hero_name"].split())
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +78,12 @@ def test_corpus_is_pinned():
 def test_score_recomputes_the_recorded_logprob(docs):
     for text, logprob in docs:
         # The sampler and the parser add the same floats in the same order: exact equality.
-        assert grammar.score(text) == logprob
+        assert score(text) == logprob
 
 
 def test_parse_recovers_the_story_elements(docs):
     for text, _ in docs[:200]:
-        _, found = grammar.parse(text)
+        _, found = parse(text)
         paragraphs = text.split("\n\n")
         assert found["hero"] == hero_of(text)
         assert found["hero"] in text.split(".")[0]
@@ -93,12 +99,12 @@ def _first_doc(docs, predicate):
 def _mutations(docs) -> dict[str, tuple[str, str]]:
     """What is changed -> (a generated text, the text changed so)."""
     text = docs[0][0]
-    _, found = grammar.parse(text)
+    _, found = parse(text)
     obj, hero = found["obj"], found["hero"]
     other_obj = "lantern" if obj != "lantern" else "teapot"
     head, _, last = text.rpartition("\n\n")
-    she = _first_doc(docs, lambda t: grammar.GENDERS[hero_of(t)] == "f" and " she " in t)
-    his = _first_doc(docs, lambda t: grammar.GENDERS[hero_of(t)] == "m" and " his " in t)
+    she = _first_doc(docs, lambda t: BUILTIN.genders[hero_of(t)] == "f" and " she " in t)
+    his = _first_doc(docs, lambda t: BUILTIN.genders[hero_of(t)] == "m" and " his " in t)
     they = _first_doc(docs, lambda t: "They were" in t)
     an = _first_doc(docs, lambda t: " an " in t)
     return {
@@ -123,24 +129,26 @@ def _mutations(docs) -> dict[str, tuple[str, str]]:
 
 def test_score_rejects_texts_outside_the_language(docs):
     for what, (good, bad) in _mutations(docs).items():
-        assert bad != good and grammar.score(good) < 0, what
+        assert bad != good and score(good) < 0, what
         with pytest.raises(ValueError, match="not a story of this grammar"):
-            grammar.score(bad)
+            score(bad)
 
 
 # -- a proper, unambiguous distribution ---------------------------------------------------------
 
 
 def test_every_choice_is_a_probability_distribution():
-    assert len(grammar.CHOICES) > 100
-    for choice in grammar.CHOICES.values():
+    assert len(BUILTIN.choices) > 100
+    for choice in BUILTIN.choices.values():
         assert all(isinstance(w, int) and w > 0 for w in choice.weights), choice.name
         assert sum(Fraction(w, choice.total) for w in choice.weights) == 1
         assert math.fsum(math.exp(lp) for lp in choice.logps) == pytest.approx(1, abs=1e-12)
         for w, lp in zip(choice.weights, choice.logps, strict=True):
             assert lp == pytest.approx(math.log(w / choice.total), rel=1e-15, abs=1e-15)
         # The parser can tell the alternatives apart: each is predicted by some token.
-        assert set(choice.predict.values()) == set(range(len(choice.weights))), choice.name
+        assert set(builtin_predict()[choice.name].values()) == set(range(len(choice.weights))), (
+            choice.name
+        )
 
 
 def test_every_document_has_a_probability_below_one(docs):
@@ -180,7 +188,7 @@ ENV = {"hero": "Mia", "friend": "Pip", "obj": "key", "place": "park", "home": "h
 )
 def test_small_rules_sum_to_one_and_never_repeat_a_text(rule):
     # Brute force, independent of the LL(1) argument: all derivations, distinct texts.
-    derivations = list(_derivations([grammar.CHOICES[rule]], ENV))
+    derivations = list(_derivations([BUILTIN.choices[rule]], ENV))
     assert len(derivations) > 10
     assert math.fsum(math.exp(lp) for _, lp in derivations) == pytest.approx(1, abs=1e-9)
     texts = [_render(tokens) for tokens, _ in derivations]
@@ -220,6 +228,20 @@ def test_bits_per_byte_is_in_range(docs):
 WORDS = {"noun": "cat dog", "adj": "big old", "name": "Mia Tom"}
 
 
+def small(rules: dict[str, str]) -> Grammar:
+    """A grammar of these rules over WORDS, with the builtin pronouns."""
+    return Grammar(rules, WORDS, {"Mia": "f", "Tom": "m"}, BUILTIN.pronouns)
+
+
+def test_the_shipped_grammar_is_proved_with_the_tables_generate_walks():
+    # The import does not prove the grammar safe; this proves it on the same file, and checks
+    # that the proof compiled the tables the import did.
+    _, choices, predict = compile_checked(grammar.load(grammar.GRAMMAR_FILE))
+    assert predict.keys() == choices.keys() == BUILTIN.choices.keys()
+    for name, choice in BUILTIN.choices.items():
+        assert (choices[name].weights, choices[name].logps) == (choice.weights, choice.logps)
+
+
 @pytest.mark.parametrize(
     "rules, message",
     [
@@ -238,7 +260,61 @@ WORDS = {"noun": "cat dog", "adj": "big old", "name": "Mia Tom"}
 )
 def test_compile_rejects_unsafe_grammars(rules, message):
     with pytest.raises(GrammarError, match=message):
-        _compile(rules, WORDS, genders={"Mia": "f", "Tom": "m"})
+        compile_checked(small(rules))
+
+
+SMALL_FILE = """# a comment
+pronouns f = subj:she
+name f = Mia
+noun = cat
+  dog
+story -> Mia saw a <noun> .
+"""
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("story2 <noun> .", "expected `rule -> alternatives` or `class = words`"),
+        ("noun = cow", "noun is already defined at {path}:4"),
+        ("story2 f -> a", "a rule has no gender: `story2 -> ...`"),
+        ("name x = Zed", "no `pronouns x = ...` line above for 'name'"),
+        ("friend f = Mia", "name 'Mia' is listed twice"),
+        ("pronouns m = he", "expected `pronouns GENDER = form:word ...`"),
+        ("story2 -> an <noun>", "bad terminal 'an'"),
+        ("story2 -> a <nope>", "unknown rule <nope>"),
+        ("story2 -> a [x:nope]", "[x:nope]: 'nope' is not a word class"),
+        ("story2 -> 0: a | b", "weights must be positive integers, got 0"),
+        ("story2 -> [x:name] {x.subjj}", "{x.subjj}: no form 'subjj' for 'Mia'"),
+    ],
+)
+def test_a_malformed_entry_is_one_line_naming_its_file_and_line(tmp_path, entry, message):
+    path = tmp_path / "stories.txt"
+    path.write_text(SMALL_FILE + entry + "\n")
+    with pytest.raises(GrammarError) as e:
+        grammar._compile(grammar.load(path))
+    assert str(e.value) == f"{path}:7: " + message.replace("{path}", str(path))
+    assert isinstance(e.value, UsageError)  # so the CLI prints it as one line
+
+
+def test_a_malformed_grammar_fails_the_download_as_one_line(tmp_path):
+    # The CLI imports every stage's module for its help: a grammar read at import would fail
+    # there with a traceback.
+    text = grammar.GRAMMAR_FILE.read_text()
+    bad = tmp_path / "grammar.txt"
+    bad.write_text(text.replace("can_who -> I | we", "can_who -> I | we <nope>"))
+    line = 1 + text.splitlines().index("can_who -> I | we")
+    shutil.copy(ROOT / "params.yaml", tmp_path)
+    code = (
+        "import sys; from pathlib import Path; from dsflow.data import grammar; "
+        f"grammar.GRAMMAR_FILE = Path({str(bad)!r}); "
+        "from dsflow.cli import main; sys.exit(main(['download']))"
+    )
+    proc = run([sys.executable, "-c", code], cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"dsflow download: error: {bad}:{line}: unknown rule <nope>"
+    ]
 
 
 def test_compile_accepts_a_small_grammar_with_agreement():
@@ -246,7 +322,7 @@ def test_compile_accepts_a_small_grammar_with_agreement():
         "story": "[hero:name] saw a <adj_opt> <noun> . {hero.Subj} smiled .",
         "adj_opt": "<adj> |",
     }
-    stack, choices = _compile(rules, WORDS, genders={"Mia": "f", "Tom": "m"})
+    stack, _, _ = compile_checked(small(rules))
     texts = {_render(t) for t, _ in _derivations(list(reversed(stack)), {})}
     assert "Mia saw a big cat. She smiled." in texts
     assert "Tom saw an old dog. He smiled." in texts
@@ -288,7 +364,7 @@ def test_pronouns_agree_with_the_protagonist(docs):
         assert hero in text.split(".")[0]  # named in the first sentence
         assert text.count(hero) >= 2  # and referred back to by name later
         used = {w.lower() for w in re.findall(r"[A-Za-z]+", text)} & ALL_PRONOUNS
-        assert used <= PRONOUN_FORMS[grammar.GENDERS[hero]], (hero, used)
+        assert used <= PRONOUN_FORMS[BUILTIN.genders[hero]], (hero, used)
         with_pronouns += bool(used)
         assert not re.search(r"\b(?:[Ss]he|[Hh]e) were\b|\b[Tt]hey was\b", text)
     assert with_pronouns > 0.95 * len(docs)

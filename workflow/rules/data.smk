@@ -28,6 +28,7 @@ rule download:
         code(
             "data/download.py",
             "data/grammar.py",
+            "data/grammar.txt",
             "data/hub.py",
             "data/raw.py",
             "data/textfiles.py",
