@@ -211,7 +211,9 @@ def _eval_losses(model, x) -> torch.Tensor:
 def test_a_lora_export_writes_the_trained_mtp_depth_merged_and_keeps_a_deeper_one(tmp_path):
     """A checkpoint with two MTP layers, LoRA with model.mtp_depth 1: models/final holds both
     in the published layout, the first as base + B A (eh_proj checked by hand), the second as
-    the base holds it; plain transformers, dsflow's loader and lora.load all load it."""
+    the base holds it; plain transformers, dsflow's loader and lora.load all load it, and PEFT
+    alone puts the adapter's main-model part on plain transformers."""
+    from peft import PeftModel
     from safetensors import safe_open
     from test_mtp import tokenizer_folder
     from transformers import AutoModelForCausalLM
@@ -258,9 +260,15 @@ def test_a_lora_export_writes_the_trained_mtp_depth_merged_and_keeps_a_deeper_on
     reloaded = build_model(
         _config(), device_type="cpu", pretrained=str(tmp_path / "final"), mtp_depth=1
     )
-    adapter = lora.load(base, tmp_path / "final" / "adapter").eval().get_base_model()
+    adapter_dir = tmp_path / "final" / "adapter"
+    adapter = lora.load(base, adapter_dir).eval().get_base_model()
     for model in (reloaded, adapter):
         torch.testing.assert_close(_eval_losses(model, x), want, rtol=1e-5, atol=1e-6)
+    # PEFT alone, on plain transformers (no MTP modules): the main model's adapters load.
+    peft_alone = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir)
+    torch.testing.assert_close(
+        mean_loss(peft_alone.eval(), x[:, :-1], x[:, 1:]), want[0], rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize(
