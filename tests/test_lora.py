@@ -25,9 +25,9 @@ def _config(family: str = "deepseek_v3", **overrides):
     return model_config("tiny", VOCAB, overrides)
 
 
-def _base(seed: int = 0, family: str = "deepseek_v3", **overrides):
+def _base(seed: int = 0, family: str = "deepseek_v3", mtp_depth: int = 0, **overrides):
     torch.manual_seed(seed)
-    return build_model(_config(family, **overrides), device_type="cpu")
+    return build_model(_config(family, **overrides), device_type="cpu", mtp_depth=mtp_depth)
 
 
 def _batch(seed: int = 1):
@@ -146,11 +146,6 @@ def test_a_lora_export_keeps_the_base_checkpoints_mtp_layers(tmp_path):
     assert not torch.equal(merged.state_dict()[q], with_mtp.state_dict()[q])
 
 
-def _mtp_base(depth: int = 1, seed: int = 0):
-    torch.manual_seed(seed)
-    return build_model(_config(), device_type="cpu", mtp_depth=depth)
-
-
 def _train_with_mtp(peft_model, steps: int, balancer=None) -> list[list[float]]:
     """`steps` AdamW steps of the train stage's loss (main + MTP) on one batch; each step's
     losses before its update, [main, depth 1, ...]."""
@@ -173,7 +168,7 @@ def test_lora_trains_the_mtp_modules_as_the_main_layers_and_their_eh_proj():
     """An MTP depth gets the adapters a main MoE layer gets, and one on eh_proj; its norms,
     router and every base weight stay bit-identical; its loss falls; the balancer moves its
     router's bias."""
-    model = _mtp_base()
+    model = _base(mtp_depth=1)
     L = model.config.num_hidden_layers
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     peft_model = lora.attach(model, ALL)
@@ -222,7 +217,7 @@ def test_a_lora_export_writes_the_trained_mtp_depth_merged_and_keeps_a_deeper_on
     from dsflow.model.build import save_hf
     from dsflow.model.loss import mean_loss
 
-    with_mtp = _mtp_base(depth=2)
+    with_mtp = _base(mtp_depth=2)
     tokenizer = tokenizer_folder(tmp_path / "tokenizer")
     save_hf(with_mtp, tmp_path / "base", tokenizer)
     base = str(tmp_path / "base")
@@ -342,17 +337,18 @@ def test_lora_refuses_an_optimizer_that_compresses_every_gradient(kind, ok):
 
 
 @pytest.mark.slow
-def test_fast_paths_give_the_adapters_the_plain_paths_gradients():
+@pytest.mark.parametrize("mtp_depth", [0, 1])
+def test_fast_paths_give_the_adapters_the_plain_paths_gradients(mtp_depth):
     """Under LoRA the fast paths (compiled layers with the router hooks traced, padded
     attention, fused cross-entropy, sorted experts through PEFT's parametrized expert weights)
-    give the adapters the plain path's loss and gradients (fp32, CPU)."""
+    give the adapters the plain path's loss and gradients (fp32, CPU), an MTP depth's too."""
     import copy
 
     from dsflow.model import fastpaths
     from dsflow.model.loss import TrainingLM
 
     torch._dynamo.reset()
-    plain = lora.attach(_base(moe_intermediate_size=16), ALL).get_base_model()
+    plain = lora.attach(_base(moe_intermediate_size=16, mtp_depth=mtp_depth), ALL).get_base_model()
     for name, p in plain.named_parameters():
         if "lora_B" in name:  # B starts at zero: give the adapters something to pass back
             torch.nn.init.normal_(p, std=0.02)
@@ -373,6 +369,7 @@ def test_fast_paths_give_the_adapters_the_plain_paths_gradients():
     (loss_p, grads_p), (loss_f, grads_f) = results
     torch.testing.assert_close(loss_f, loss_p, rtol=1e-5, atol=1e-6)
     assert set(grads_f) == set(grads_p) and any("experts" in n for n in grads_p)
+    assert any(n.startswith("mtp.") for n in grads_p) == bool(mtp_depth)
     for name, grad in grads_p.items():
         assert grads_f[name] is not None, name
         torch.testing.assert_close(grads_f[name], grad, rtol=1e-4, atol=1e-6, msg=name)
