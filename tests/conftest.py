@@ -196,7 +196,7 @@ def dsflow(*args: str, cwd: Path, check: bool = True, **kw) -> subprocess.Comple
 
 def rewound_copy(run_dir: Path, dest: Path, step: int) -> Path:
     """A copy of the finished train run in `run_dir` as a run stopped after its checkpoint of
-    `step` leaves it: the later checkpoints gone, `latest` on that one, loss.tsv cut after
+    `step` leaves it: the later checkpoints gone, `latest` on that one, the train/ TSVs cut after
     `step`, no models/final or metrics/train.json, so that what a resume there logs and writes
     comes from the resumed run. Costs no launch, where killing a run would cost one."""
     from dsflow.train.checkpoint import tag_for
@@ -209,8 +209,10 @@ def rewound_copy(run_dir: Path, dest: Path, step: int) -> Path:
     (root / "latest").write_text(f"{tag}\n")
     shutil.rmtree(dest / "models/final")
     (dest / "metrics/train.json").unlink()
-    tsv = dest / "dvclive/plots/metrics/train/loss.tsv"
-    tsv.write_text("".join(tsv.read_text().splitlines(keepends=True)[: step + 1]))  # + header
+    # Every train/ curve (the loss, each MTP depth's loss, ...), so that all of them are relogged.
+    for tsv in (dest / "dvclive/plots/metrics/train").glob("*.tsv"):
+        header, *rows = tsv.read_text().splitlines(keepends=True)
+        tsv.write_text(header + "".join(r for r in rows if int(r.split("\t")[0]) <= step))
     return dest
 
 

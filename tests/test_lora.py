@@ -25,9 +25,9 @@ def _config(family: str = "deepseek_v3", **overrides):
     return model_config("tiny", VOCAB, overrides)
 
 
-def _base(seed: int = 0, family: str = "deepseek_v3", **overrides):
+def _base(seed: int = 0, family: str = "deepseek_v3", mtp_depth: int = 0, **overrides):
     torch.manual_seed(seed)
-    return build_model(_config(family, **overrides), device_type="cpu")
+    return build_model(_config(family, **overrides), device_type="cpu", mtp_depth=mtp_depth)
 
 
 def _batch(seed: int = 1):
@@ -146,6 +146,126 @@ def test_a_lora_export_keeps_the_base_checkpoints_mtp_layers(tmp_path):
     assert not torch.equal(merged.state_dict()[q], with_mtp.state_dict()[q])
 
 
+def _train_with_mtp(peft_model, steps: int, balancer=None) -> list[list[float]]:
+    """`steps` AdamW steps of the train stage's loss (main + MTP) on one batch; each step's
+    losses before its update, [main, depth 1, ...]."""
+    from dsflow.model.loss import TrainingLM
+
+    trainee = TrainingLM(peft_model.get_base_model().train(), ce_chunk=0)
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    x, seen = _batch(5), []
+    for _ in range(steps):
+        trainee(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+        if balancer is not None:
+            balancer.update()
+        seen.append(trainee.last_losses.tolist())
+    return seen
+
+
+def test_lora_trains_the_mtp_modules_as_the_main_layers_and_their_eh_proj():
+    """An MTP depth gets the adapters a main MoE layer gets, and one on eh_proj; its norms,
+    router and every base weight stay bit-identical; its loss falls; the balancer moves its
+    router's bias."""
+    model = _base(mtp_depth=1)
+    L = model.config.num_hidden_layers
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    peft_model = lora.attach(model, ALL)
+    adapted = {
+        n.split(".lora_")[0].removeprefix("base_model.model.")
+        for n, p in peft_model.named_parameters()
+        if p.requires_grad
+    }
+    last_main = f"model.layers.{L - 1}."
+    like_main = {n.replace(last_main, f"mtp.layers.{L}.") for n in adapted if last_main in n}
+    assert {n for n in adapted if n.startswith("mtp.")} == like_main | {f"mtp.layers.{L}.eh_proj"}
+    balancer = ExpertBalancer(peft_model, gamma=1e-2)
+    assert balancer.layers[-1] == L  # the MTP block's router
+    losses = _train_with_mtp(peft_model, steps=12, balancer=balancer)
+    assert losses[-1][1] < losses[0][1] - 0.5, losses
+    after = _base_names(peft_model)
+    assert set(after) == set(before)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    lora_b = [(n, p) for n, p in peft_model.named_parameters() if "lora_B" in n and ".mtp." in n]
+    assert lora_b and all(p.abs().sum() > 0 for _, p in lora_b)
+    assert model.mtp.layers[str(L)].mlp.gate.e_score_correction_bias.abs().sum() > 0
+
+
+def _eval_losses(model, x) -> torch.Tensor:
+    """[main, depth 1, ...]: the train stage's losses of `model` (eval mode) on windows `x`."""
+    from dsflow.model.loss import TrainingLM
+
+    trainee = TrainingLM(model.eval())
+    with torch.no_grad():
+        trainee(x[:, :-1], x[:, 1:])
+    return trainee.last_losses
+
+
+def test_a_lora_export_writes_the_trained_mtp_depth_merged_and_keeps_a_deeper_one(tmp_path):
+    """A checkpoint with two MTP layers, LoRA with model.mtp_depth 1: models/final holds both
+    in the published layout, the first as base + B A (eh_proj checked by hand), the second as
+    the base holds it; plain transformers, dsflow's loader and lora.load all load it, and PEFT
+    alone puts the adapter's main-model part on plain transformers."""
+    from peft import PeftModel
+    from safetensors import safe_open
+    from test_mtp import tokenizer_folder
+    from transformers import AutoModelForCausalLM
+
+    from dsflow.model import mtp
+    from dsflow.model.build import save_hf
+    from dsflow.model.loss import mean_loss
+
+    with_mtp = _base(mtp_depth=2)
+    tokenizer = tokenizer_folder(tmp_path / "tokenizer")
+    save_hf(with_mtp, tmp_path / "base", tokenizer)
+    base = str(tmp_path / "base")
+    net = build_model(_config(), device_type="cpu", pretrained=base, mtp_depth=1)
+    peft_model = lora.attach(net, ALL)
+    _train_with_mtp(peft_model, steps=3)
+    lora.save_final(peft_model, base, tmp_path / "final", tokenizer, "fp32")
+
+    L, x = net.config.num_hidden_layers, _batch(9)
+    want = _eval_losses(net, x)
+    first = net.mtp.layers[str(L)].eh_proj
+    scale = ALL["alpha"] / ALL["rank"]
+    by_hand = (
+        first.base_layer.weight + scale * first.lora_B.default.weight @ first.lora_A.default.weight
+    )
+    stored = mtp.published_state(with_mtp.state_dict())
+    merged = mtp.published_state(lora.merged(peft_model).state_dict())
+    with safe_open(str(tmp_path / "final" / "model-mtp.safetensors"), "pt") as fh:
+        got = {k: fh.get_tensor(k) for k in fh.keys()}
+    assert set(got) == set(stored)
+    assert all(got[k].shape == stored[k].shape for k in stored)
+    torch.testing.assert_close(got[f"model.layers.{L}.eh_proj.weight"], by_hand)
+    for key, tensor in stored.items():
+        if key.startswith(f"model.layers.{L + 1}."):
+            assert torch.equal(got[key], tensor), key  # the depth LoRA did not train
+        else:
+            torch.testing.assert_close(got[key], merged[key], rtol=0, atol=0, msg=key)
+    changed = {k for k in stored if not torch.equal(got[k], stored[k])}
+    assert f"model.layers.{L}.self_attn.o_proj.weight" in changed
+    assert not any("norm" in k or "embed" in k or "head" in k for k in changed), changed
+    assert json.loads((tmp_path / "final/config.json").read_text())["num_nextn_predict_layers"] == 2
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    torch.testing.assert_close(mean_loss(plain, x[:, :-1], x[:, 1:]), want[0], rtol=1e-5, atol=1e-6)
+    reloaded = build_model(
+        _config(), device_type="cpu", pretrained=str(tmp_path / "final"), mtp_depth=1
+    )
+    adapter_dir = tmp_path / "final" / "adapter"
+    adapter = lora.load(base, adapter_dir).eval().get_base_model()
+    for model in (reloaded, adapter):
+        torch.testing.assert_close(_eval_losses(model, x), want, rtol=1e-5, atol=1e-6)
+    # PEFT alone, on plain transformers (no MTP modules): the main model's adapters load.
+    peft_alone = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir)
+    torch.testing.assert_close(
+        mean_loss(peft_alone.eval(), x[:, :-1], x[:, 1:]), want[0], rtol=1e-5, atol=1e-6
+    )
+
+
 @pytest.mark.parametrize(
     "change, overrides, needle",
     [
@@ -170,13 +290,24 @@ def test_attention_only_takes_dropout():
     "targets", [["attention"], ["dense_mlp", "shared_experts"], list(lora.GROUPS)]
 )
 @pytest.mark.parametrize("q_lora_rank", [None, 48])
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
-def test_planner_counts_equal_the_adapters_peft_creates(targets, q_lora_rank, family):
-    config = _config(family, q_lora_rank=q_lora_rank)
+@pytest.mark.parametrize(
+    "family, mtp_depth, overrides",
+    [
+        ("deepseek_v3", 0, {}),
+        ("deepseek_v2", 0, {}),
+        ("deepseek_v3", 2, {}),
+        ("deepseek_v3", 2, {"first_k_dense_replace": 5}),  # a dense MTP layer, then an MoE one
+    ],
+)
+def test_planner_counts_equal_the_adapters_peft_creates(
+    targets, q_lora_rank, family, mtp_depth, overrides
+):
+    config = _config(family, q_lora_rank=q_lora_rank, **overrides)
     setting = {**ALL, "targets": targets}
-    peft_model = lora.attach(build_model(config, device_type="cpu"), setting)
+    net = build_model(config, device_type="cpu", mtp_depth=mtp_depth)
+    peft_model = lora.attach(net, setting)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    assert lora.counts(config, setting)["adapter"] == trainable
+    assert lora.counts(config, setting, mtp_depth)["adapter"] == trainable
 
 
 def test_lora_without_a_pretrained_model_is_one_line():
@@ -206,17 +337,18 @@ def test_lora_refuses_an_optimizer_that_compresses_every_gradient(kind, ok):
 
 
 @pytest.mark.slow
-def test_fast_paths_give_the_adapters_the_plain_paths_gradients():
+@pytest.mark.parametrize("mtp_depth", [0, 1])
+def test_fast_paths_give_the_adapters_the_plain_paths_gradients(mtp_depth):
     """Under LoRA the fast paths (compiled layers with the router hooks traced, padded
     attention, fused cross-entropy, sorted experts through PEFT's parametrized expert weights)
-    give the adapters the plain path's loss and gradients (fp32, CPU)."""
+    give the adapters the plain path's loss and gradients (fp32, CPU), an MTP depth's too."""
     import copy
 
     from dsflow.model import fastpaths
     from dsflow.model.loss import TrainingLM
 
     torch._dynamo.reset()
-    plain = lora.attach(_base(moe_intermediate_size=16), ALL).get_base_model()
+    plain = lora.attach(_base(moe_intermediate_size=16, mtp_depth=mtp_depth), ALL).get_base_model()
     for name, p in plain.named_parameters():
         if "lora_B" in name:  # B starts at zero: give the adapters something to pass back
             torch.nn.init.normal_(p, std=0.02)
@@ -237,6 +369,7 @@ def test_fast_paths_give_the_adapters_the_plain_paths_gradients():
     (loss_p, grads_p), (loss_f, grads_f) = results
     torch.testing.assert_close(loss_f, loss_p, rtol=1e-5, atol=1e-6)
     assert set(grads_f) == set(grads_p) and any("experts" in n for n in grads_p)
+    assert any(n.startswith("mtp.") for n in grads_p) == bool(mtp_depth)
     for name, grad in grads_p.items():
         assert grads_f[name] is not None, name
         torch.testing.assert_close(grads_f[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -472,10 +472,6 @@ def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared
     update_params(v2, {"model": {"preset": "deepseek-v2-lite", "overrides": tiny_v2()}})
     proc = dsflow("train", cwd=v2, check=False, timeout=300)
     assert proc.returncode == 2 and "model.mtp_depth 1" in proc.stderr
-    update_params(v2, {"model": {"preset": "tiny", "overrides": {}, "pretrained": str(final)}})
-    update_params(v2, {"train": {"finetune": "lora"}})
-    proc = dsflow("train", cwd=v2, check=False, timeout=300)
-    assert proc.returncode == 2 and "model.mtp_depth" in proc.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
@@ -496,3 +492,103 @@ def test_zero3_trains_the_mtp_modules_and_gathers_them_for_models_final(prepared
     trained = build_model(config, device_type="cpu", pretrained=str(final), mtp_depth=1)
     assert "model.layers.4.mlp.experts.0.gate_proj.weight" in index
     assert trained.mtp.layers["4"].eh_proj.weight.abs().sum() > 0
+
+
+LORA = {"finetune": "lora", "lora": {"rank": 4, "alpha": 8, "targets": ["attention", "experts"]}}
+
+
+def mtp_checkpoint(prepared, folder):
+    """A tiny V3 checkpoint with one MTP layer (model.layers.4.*) for the prepared tokenizer;
+    the model saved."""
+    from transformers import AutoTokenizer
+
+    tokenizer = prepared / "data/tokenizer"
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer))
+    torch.manual_seed(0)
+    hf = build_model(model_config("tiny", vocab, {}), device_type="cpu", mtp_depth=1)
+    save_hf(hf, folder, tokenizer)
+    return hf
+
+
+def lora_repo(prepared, repo, base, **train):
+    shutil.copytree(
+        prepared, repo, ignore=shutil.ignore_patterns("checkpoints", "models", "dvclive", "metrics")
+    )
+    update_params(repo, RUN)
+    update_params(repo, {"model": {"pretrained": str(base)}, "train": {**LORA, **train}})
+    return repo
+
+
+def by_hand(base_state, adapter, name):
+    """Published MTP weight `name` (model.layers.4.*) as base + alpha / rank * B A, from the
+    adapter folder's tensors."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    module = "base_model.model." + name.replace("model.", "mtp.", 1).removesuffix(".weight")
+    scale = LORA["lora"]["alpha"] / LORA["lora"]["rank"]
+    delta = tensors[f"{module}.lora_B.weight"] @ tensors[f"{module}.lora_A.weight"]
+    return base_state[name] + scale * delta
+
+
+def assert_trained_depth(base_state, folder, adapter):
+    """The MTP shard of `folder`: the base's keys and shapes; the adapted linears are base +
+    B A (two checked by hand), the routed experts moved; norms, router weight, embedding and
+    head copies as the base's; the router's bias moved by the balancer."""
+    from safetensors.torch import load_file
+
+    got = load_file(folder / "model-mtp.safetensors")
+    assert set(got) == set(base_state)
+    assert all(got[k].shape == base_state[k].shape for k in got)
+    for name in ("model.layers.4.eh_proj.weight", "model.layers.4.self_attn.o_proj.weight"):
+        want = by_hand(base_state, adapter, name)
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
+    changed = {k for k in got if not torch.equal(got[k], base_state[k])}
+    assert {
+        "model.layers.4.eh_proj.weight",
+        "model.layers.4.mlp.experts.0.down_proj.weight",
+    } < changed
+    assert "model.layers.4.mlp.gate.e_score_correction_bias" in changed
+    frozen = ("norm.", "embed_tokens", "shared_head.head", "mlp.gate.weight", "shared_experts")
+    assert not [k for k in changed if any(f in k for f in frozen)]
+
+
+@pytest.mark.slow
+def test_lora_trains_the_mtp_depth_resumes_bit_exactly_and_exports_it(prepared, tmp_path):
+    """LoRA on a checkpoint with an MTP layer, model.mtp_depth 1, on 2 ranks: the depth's loss
+    is logged each step; a run rewound to step 3 resumes to the same losses; models/final and
+    `dsflow export` hold the depth merged (base + B A) in the published layout; plain
+    transformers loads models/final."""
+    from transformers import AutoModelForCausalLM
+
+    hf = mtp_checkpoint(prepared, tmp_path / "base")
+    base_state = mtp.published_state(hf.state_dict())
+    repo = lora_repo(prepared, tmp_path / "lora", tmp_path / "base")
+    proc = dsflow("train", cwd=repo, timeout=900)
+    assert "LoRA:" in proc.stderr
+    depth1 = tsv(repo, "train/mtp_loss_1")
+    assert sorted(depth1) == list(range(1, 7))
+
+    resumed = rewound_copy(repo, tmp_path / "resumed", 3)
+    proc = dsflow("train", cwd=resumed, timeout=900)
+    assert "resumed from step 3" in proc.stderr
+    assert tsv(resumed, "train/loss") == tsv(repo, "train/loss")
+    assert tsv(resumed, "train/mtp_loss_1") == depth1
+
+    final = repo / "models/final"
+    assert_trained_depth(base_state, final, final / "adapter")
+    plain = AutoModelForCausalLM.from_pretrained(final)
+    assert plain.config.num_nextn_predict_layers == 1
+    dsflow("export", "--out", "models/export", cwd=repo)  # from the step-6 checkpoint
+    assert_trained_depth(base_state, repo / "models/export", repo / "models/export/adapter")
+
+
+@pytest.mark.slow
+def test_lora_at_zero3_trains_the_mtp_depth(prepared, tmp_path):
+    hf = mtp_checkpoint(prepared, tmp_path / "base")
+    overlay = {"zero_stage": 3, "max_steps": 4, "checkpoint_every": 4, "eval_every": 4}
+    repo = lora_repo(prepared, tmp_path / "z3", tmp_path / "base", **overlay)
+    dsflow("train", cwd=repo, timeout=900)
+    assert sorted(tsv(repo, "train/mtp_loss_1")) == [1, 2, 3, 4]
+    final = repo / "models/final"
+    assert_trained_depth(mtp.published_state(hf.state_dict()), final, final / "adapter")

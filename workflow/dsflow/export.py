@@ -102,7 +102,10 @@ def _export_lora(root: Path, tag: str, out: Path, dtype: str, params: dict) -> P
     from dsflow.model.build import build_model
 
     base = str(source.folder(params["model"]))
-    net = build_model(load_checkpoint_config(base), device_type="cpu", pretrained=base)
+    depth = params["model"].get("mtp_depth", 0)  # the MTP depths trained, adapters and all
+    net = build_model(
+        load_checkpoint_config(base), device_type="cpu", pretrained=base, mtp_depth=depth
+    )
     adapted = lora.attach(net, params["train"]["lora"])
     missing, unexpected = net.load_state_dict(consolidated_state_dict(root, tag), strict=False)
     # Frozen weights come from the base; the adapters and V3's routing biases must be here.

@@ -16,6 +16,13 @@ named `gate_proj`, `up_proj` or `down_proj` as the experts of a transformers-4 a
 onto the fused weights, so a dense layer's projections could not be targeted by name, and an
 adapter saved that way would load onto other weights. Parameter targets load back as they were
 saved. The routers (and their balancing biases), norms and embeddings stay frozen as they are.
+
+DeepSeek-V3's multi-token prediction modules (`model.mtp_depth` > 0, `hf.mtp`, loaded from the
+checkpoint's MTP layers) train the same way: each depth's decoder layer is reached by the same
+targets as the main layers (PEFT matches names by suffix), and its `eh_proj` (2H -> H, the one
+linear without a counterpart in the main layers) gets an `nn.Linear` adapter whatever the
+targets, since it is where the depth takes in the main model's moving hidden state. Its enorm,
+hnorm and shared_head.norm stay frozen like the other norms.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ GROUPS: dict[str, dict[str, list[str]]] = {
     },
     "experts": {"parameters": ["experts.gate_up_proj", "experts.down_proj"]},
 }
+# Adapted in every multi-token prediction depth (dsflow.model.mtp), whatever the targets.
+MTP_MODULES = ["eh_proj"]
 
 
 def _matches(model: Any, group: str) -> list[str]:
@@ -74,10 +83,12 @@ def check(model: Any, lora: dict) -> None:
         )
 
 
-def peft_config(lora: dict) -> Any:
+def peft_config(lora: dict, mtp: bool = False) -> Any:
+    """PEFT's LoraConfig for train.lora; `mtp`: the model carries MTP modules (MTP_MODULES)."""
     from peft import LoraConfig
 
     modules = [m for g in lora["targets"] for m in GROUPS[g].get("modules", [])]
+    modules += MTP_MODULES if mtp else []
     params = [p for g in lora["targets"] for p in GROUPS[g].get("parameters", [])]
     return LoraConfig(
         r=lora["rank"],
@@ -96,7 +107,7 @@ def attach(model: Any, lora: dict) -> Any:
     from peft import get_peft_model
 
     check(model, lora)
-    adapted = get_peft_model(model, peft_config(lora))
+    adapted = get_peft_model(model, peft_config(lora, getattr(model, "mtp", None) is not None))
     _direct_adapters(adapted)
     return adapted
 
@@ -187,10 +198,11 @@ def save_final(
 ) -> None:
     """`out` (atomically): the merged model as a plain HF folder, and its adapter in
     `out`/adapter, whose config names its base as `base_name` (model.pretrained as given;
-    default `base`, the local folder). Multi-token prediction layers of the base (a DeepSeek-V3
-    checkpoint's) are kept unchanged in `out`. The merge starts from the base checkpoint `base`
-    reloaded in `dtype` with the saved adapter put back on it (:func:`load`), so every run
-    proves its adapter loads."""
+    default `base`, the local folder). Multi-token prediction layers (a DeepSeek-V3
+    checkpoint's) go into `out` in the published layout: the trained depths merged, the base's
+    other MTP layers unchanged. The merge starts from the base checkpoint `base` reloaded in
+    `dtype` with the saved adapter put back on it (:func:`load`), so every run proves its
+    adapter loads."""
     from pathlib import Path
 
     from safetensors.torch import save_file
@@ -198,7 +210,7 @@ def save_final(
 
     from dsflow import safeload
     from dsflow.atomic import atomic_dir
-    from dsflow.model.build import attach_stored_mtp, write_weights
+    from dsflow.model.build import write_weights
 
     biases = {
         name: buf.detach().cpu().clone()
@@ -213,17 +225,44 @@ def save_final(
         if biases:
             save_file(biases, str(adapter / BIASES))
         model = merged(load(base, adapter, dtype))
-        # The base checkpoint's MTP layers: the adapters never trained them, they stay as is.
-        attach_stored_mtp(model, base)
+        _keep_untrained_mtp(model, base)
         write_weights(model, Path(tmp))
         AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
         safeload.record_folder(tmp)  # every file's content hash, checked before a load
 
 
+def _keep_untrained_mtp(model: Any, base: str) -> None:
+    """Gives merged `model` every MTP layer the base checkpoint holds: the depths it trained
+    (``model.mtp``) as they are, the deeper ones (all, with model.mtp_depth 0) as the base
+    holds them, as a LoRA merge leaves every weight the adapters did not reach."""
+    from dsflow.model.build import attach_stored_mtp, mtp_layers_stored
+
+    trained = getattr(model, "mtp", None)
+    depth = 0 if trained is None else len(trained.layers)
+    if mtp_layers_stored(base, model.config.num_hidden_layers) > depth:
+        attach_stored_mtp(model, base)
+        if trained is not None:
+            model.mtp.layers.update(trained.layers)
+
+
+def trained_mtp_depth(adapter: Any) -> int:
+    """How many MTP depths the adapter in folder `adapter` trained: each has an eh_proj
+    adapter (MTP_MODULES) under ``mtp.layers.N``."""
+    import re
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    with safe_open(str(Path(adapter) / "adapter_model.safetensors"), "pt") as fh:
+        found = {re.search(r"\bmtp\.layers\.(\d+)\.", k) for k in fh.keys()}
+    return len({m.group(1) for m in found if m})
+
+
 def load(base: str, adapter: Any, dtype: str | None = None) -> Any:
     """The adapted model: base checkpoint `base` with PEFT's `PeftModel.from_pretrained(base,
     adapter)`, and the routers' balancing biases as the run left them (they are buffers, which
-    the balancer moves during LoRA training and PEFT's adapter does not hold)."""
+    the balancer moves during LoRA training and PEFT's adapter does not hold). The base's MTP
+    layers that the adapter trained are attached first (``model.mtp``), so their adapters load."""
     from pathlib import Path
 
     from peft import PeftModel
@@ -232,7 +271,11 @@ def load(base: str, adapter: Any, dtype: str | None = None) -> Any:
     from dsflow.model.build import build_model, load_checkpoint_config
 
     fresh = build_model(
-        load_checkpoint_config(base), device_type="cpu", pretrained=base, dtype=dtype
+        load_checkpoint_config(base),
+        device_type="cpu",
+        pretrained=base,
+        dtype=dtype,
+        mtp_depth=trained_mtp_depth(adapter),
     )
     biases = Path(adapter) / BIASES
     if biases.exists():
@@ -271,16 +314,30 @@ def _linears(d: dict[str, int]) -> dict[str, list[tuple[int, int, int]]]:
     }
 
 
-def counts(config: Any, lora: dict) -> dict[str, int]:
+def _with_mtp_layers(d: dict[str, int], config: Any, depth: int) -> dict[str, int]:
+    """Dims `d` with `depth` MTP modules' decoder layers counted as layers of their kind."""
+    from dsflow.model import presets
+
+    moe = sum(presets.mtp_layer_is_moe(config, k) for k in range(1, depth + 1))
+    return {
+        **d,
+        "L": d["L"] + depth,
+        "n_moe": d["n_moe"] + moe,
+        "n_dense": d["n_dense"] + depth - moe,
+    }
+
+
+def counts(config: Any, lora: dict, mtp_depth: int = 0) -> dict[str, int]:
     """Analytic sizes for the planner: ``adapter``, the trainable parameters (what PEFT
     creates); ``merged``, the base weight elements that parameter adapters replace with
     W + B A in every forward, a copy that the matmul keeps for backward (``merged_layer``: in
     the decoder layer with the most); ``rank_outputs``, per token, the elements of the module
     adapters' A outputs, which each keeps for its B's gradient (``rank_outputs_layer``: in one
-    decoder layer)."""
+    decoder layer). `mtp_depth` MTP modules count as their decoder layers and eh_proj
+    adapters (their tokens taken as the main model's)."""
     from dsflow.model import presets
 
-    d = presets._dims(config)
+    d = _with_mtp_layers(presets._dims(config), config, mtp_depth)
     shapes = _linears(d)
     adapter, merged = 0, {g: 0 for g, spec in GROUPS.items() if "parameters" in spec}
     rank_outputs = 0
@@ -293,12 +350,16 @@ def counts(config: Any, lora: dict) -> dict[str, int]:
                 rank_outputs += lora["rank"] * copies
     moe_layer = (merged["shared_experts"] + merged["experts"]) // max(d["n_moe"], 1)
     dense_layer = merged["dense_mlp"] // max(d["n_dense"], 1)
+    rank_outputs_layer = rank_outputs // d["L"]
+    # Each depth's eh_proj (MTP_MODULES, 2H -> H): a module adapter beside its decoder layer.
+    adapter += lora["rank"] * 3 * d["H"] * mtp_depth
+    rank_outputs += lora["rank"] * mtp_depth
     return {
         "adapter": adapter,
         "merged": sum(merged.values()),
         "merged_layer": max(moe_layer, dense_layer),
         "rank_outputs": rank_outputs,
-        "rank_outputs_layer": rank_outputs // d["L"],
+        "rank_outputs_layer": rank_outputs_layer,
     }
 
 

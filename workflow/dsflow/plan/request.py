@@ -444,12 +444,15 @@ def _balance_loss(balance: dict, config: Any) -> bool:
     return alpha is None or float(alpha) > 0
 
 
-def _lora(train: dict, args: Any, config: Any, notes: list[str]) -> dict[str, int | bool]:
-    """The memory setup's LoRA sizes (``--finetune`` / train.finetune with train.lora)."""
+def _lora(
+    train: dict, args: Any, config: Any, mtp_depth: int, notes: list[str]
+) -> dict[str, int | bool]:
+    """The memory setup's LoRA sizes (``--finetune`` / train.finetune with train.lora), the
+    MTP modules' adapters among them."""
     if (_arg(args, "finetune") or train.get("finetune", "full")) != "lora":
         return {}
     setting = train["lora"]
-    sizes = lora.counts(config, setting)
+    sizes = lora.counts(config, setting, mtp_depth)
     notes.append(
         f"LoRA rank {setting['rank']} on {', '.join(setting['targets'])}: "
         f"{sizes['adapter']:,} trainable parameters, the rest frozen"
@@ -531,13 +534,14 @@ def resolve(
     zero, offload_opt, offload_par = _layout(train, args, world, where["device"], notes)
     offload_device, nvme_path = _offload_device(train, args)
     seq_len = int(_arg(args, "seq_len") or train["seq_len"])
+    mtp_depth = _mtp_depth(params, args, config, seq_len, notes)
     return Request(
         config=config,
         preset=model[0],
         vocab_size=int(config.vocab_size),
         vocab_source=vocab_source,
         seq_len=seq_len,
-        mtp_depth=_mtp_depth(params, args, config, seq_len, notes),
+        mtp_depth=mtp_depth,
         micro_batch=micro,
         grad_accum=accum,
         world=world,
@@ -556,7 +560,7 @@ def resolve(
         # --gpus plans one machine; params plan train.nodes machines of train.gpus ranks each.
         nodes=1 if _arg(args, "gpus") else int(train.get("nodes", 1)),
         **_perf(train, where["device"], _arg(args, "precision") or train["precision"], gpus),
-        **_lora(train, args, config, notes),
+        **_lora(train, args, config, mtp_depth, notes),
         **_checkpoints(train, dsconfig.Batch(micro, accum, world)),
         **where,
         nvme_path=nvme_path,

@@ -111,11 +111,6 @@ def resolve_run(params: dict) -> dict:
     if params["model"]["pretrained"]:
         config = load_checkpoint_config(params["model"]["pretrained"])
     check_mtp(params["model"], config)
-    if train["finetune"] == "lora" and params["model"].get("mtp_depth"):
-        raise UsageError(
-            "model.mtp_depth: multi-token prediction is not trained with train.finetune lora "
-            "(the adapters' export has no MTP modules); set model.mtp_depth: 0 or finetune: full"
-        )
     if train["finetune"] == "lora":
         check_lora(params["model"], train["lora"])
     if device == "cpu" and train["precision"] == "fp16":
