@@ -27,19 +27,40 @@ def test_each_zero_stage_sends_what_deepspeed_moves(stage, accum, sent):
 
 def test_the_backward_hides_what_it_can_and_the_rest_shows():
     """3 ranks at 12 GB/s: one ring collective of 2 GB x 2/3 takes 0.111 s. A step of 1 s of
-    compute at accum 1 has 0.667 s of backward: ZeRO-0's all-reduce (0.222 s) hides whole,
-    ZeRO-1's all-gather after the step (0.111 s) shows; at accum 8 each micro-step's backward
-    is 0.083 s, so ZeRO-2's per-micro-step reduce-scatter shows 0.028 s eight times."""
+    compute at accum 1 has 0.667 s of backward. ZeRO-0's all-reduce (0.222 s) follows the
+    backward: all of it shows. ZeRO-1's reduce-scatter goes out in buckets beside the backward:
+    only the last bucket (a tenth of the gradients: 0.011 s) shows, then the all-gather after
+    the step (0.111 s). At accum 8 each micro-step's backward is 0.083 s, shorter than the
+    reduce-scatter: ZeRO-2 shows the link's backlog, 0.111 - 0.083 x 0.9 s, eight times."""
     peak = 1e15
     flops = peak * comm.ASSUMED_MFU  # one second of compute
     ring = 2 / 3 * 2 * GB / (12 * GB)
-    zero0 = comm.step_traffic(P, 3, 0, 1, flops, peak)
-    assert zero0.compute_s == pytest.approx(1.0) and zero0.exposed_s == 0
-    assert comm.step_traffic(P, 3, 1, 1, flops, peak).exposed_s == pytest.approx(ring)
-    zero2 = comm.step_traffic(P, 3, 2, 8, flops, peak)
-    assert zero2.exposed_s == pytest.approx(8 * (ring - 2 / 3 / 8) + ring)
+    tenth = P // 10
+    zero0 = comm.step_traffic(P, 3, 0, 1, flops, peak, bucket=tenth)
+    assert zero0.compute_s == pytest.approx(1.0) and zero0.exposed_s == pytest.approx(2 * ring)
+    zero1 = comm.step_traffic(P, 3, 1, 1, flops, peak, bucket=tenth)
+    assert zero1.exposed_s == pytest.approx(ring / 10 + ring)
+    zero2 = comm.step_traffic(P, 3, 2, 8, flops, peak, bucket=tenth)
+    assert zero2.exposed_s == pytest.approx(8 * (ring - 2 / 3 / 8 * 0.9) + ring)
     assert 0 < zero2.share < 1
     assert "ZeRO-2, accum 8" in comm.describe(zero2, 2, 8)
+    # One bucket for all gradients: nothing is sent before the backward ends.
+    whole = comm.step_traffic(P, 3, 1, 1, flops, peak, bucket=2 * P)
+    assert whole.exposed_s == pytest.approx(2 * ring)
+
+
+def test_auto_buckets_take_a_fiftieth_of_a_micro_step_on_the_link():
+    """A reduce bucket's transfer (2 bytes an element, 2/3 of it sent by each of 3 ranks, 12
+    GB/s) takes 2% of a micro-step's compute, in millions of elements, between 40M and 500M;
+    one rank reduces nothing and keeps 200M."""
+    assert comm.reduce_bucket(3, 1.0) == 180_000_000  # 20 ms at 12 GB/s: 240 MB / (4/3)
+    assert comm.reduce_bucket(3, 0.1) == comm.BUCKET_FLOOR  # 18M: too small a message
+    assert comm.reduce_bucket(3, 10.0) == comm.BUCKET_CEILING
+    assert comm.reduce_bucket(2, 1.0) == 240_000_000  # 2 ranks send half the buffer each
+    assert comm.reduce_bucket(1, 1.0) == comm.ONE_RANK_BUCKET
+    seconds = comm.TAIL_SHARE * 1.0
+    bucket = comm.reduce_bucket(3, 1.0)
+    assert 2 / 3 * 2 * bucket / (comm.PCIE_GBPS * 1e9) == pytest.approx(seconds)
 
 
 def test_accumulation_hides_zero1_but_not_a_zero2_whose_micro_steps_are_too_short():

@@ -51,3 +51,27 @@ def test_the_plan_notes_the_larger_micro_batch_and_the_layouts_communication():
     one["train"].update(gpus=1, micro_batch=8, grad_accum=2)
     notes = stage.build_plan(one, _args("--gpu-mem", "24", "--gpus", "1"))["notes"]
     assert not any(n.startswith(("communication", "train.micro_batch")) for n in notes), notes
+
+
+def test_the_plan_chooses_the_reduce_buckets_and_the_train_stage_takes_its_choice():
+    """train.zero.reduce_bucket_size: auto on 3 x 24 GB: the bucket whose transfer takes 2% of
+    a micro-step (comm.bucket_for), counted in the plan's memory and named in its note; the
+    train stage hands DeepSpeed the bucket its memory plan was made with. A number stays."""
+    from dsflow.plan import comm
+    from dsflow.train import stage as train_stage
+
+    params = _params("profiles/rtx4090x3.yaml")
+    assert params["train"]["zero"]["reduce_bucket_size"] == "auto"
+    req = request.resolve(params, _args("--gpu-mem", "24"))
+    chosen = req.bucket_sizes[0]
+    assert chosen == comm.bucket_for(req) and comm.BUCKET_FLOOR <= chosen < 200_000_000
+    assert f"reduce buckets of {chosen / 1e6:g}M elements" in comm.note(req)
+    plan = layouts.assess(req)
+    resolved = train_stage.with_planned_bucket(params, plan)
+    assert resolved["train"]["zero"]["reduce_bucket_size"] == chosen
+    # Smaller buckets than DeepSpeed's 200M: less memory for ZeRO-2's two reduce buffers.
+    params["train"]["zero"]["reduce_bucket_size"] = 200_000_000
+    fixed = request.resolve(params, _args("--gpu-mem", "24"))
+    assert fixed.bucket_sizes[0] == 200_000_000
+    assert train_stage.with_planned_bucket(params, layouts.assess(fixed)) is params
+    assert layouts.assess(fixed)["estimate"]["gpu"]["total"] > plan["estimate"]["gpu"]["total"]

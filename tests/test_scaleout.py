@@ -46,8 +46,10 @@ def params(**train) -> dict:
 
 
 def test_zero3_config_has_the_stage3_knobs_and_offload_sections():
-    t = params(zero_stage=3, offload={"optimizer": "cpu", "param": "cpu"})["train"]
+    bucket = {"reduce_bucket_size": 40_000_000}  # as the planner decides auto on GPUs
+    t = params(zero_stage=3, offload={"optimizer": "cpu", "param": "cpu"}, zero=bucket)["train"]
     z = dsconfig.zero_optimization(t, "cuda", 3)
+    assert z["reduce_bucket_size"] == 40_000_000
     assert z["stage"] == 3
     assert z["stage3_prefetch_bucket_size"] == t["zero"]["stage3_prefetch_bucket_size"]
     assert z["stage3_gather_16bit_weights_on_model_save"] is True
@@ -55,9 +57,11 @@ def test_zero3_config_has_the_stage3_knobs_and_offload_sections():
     assert z["offload_param"] == {"device": "cpu", "pin_memory": True}
     # No pinned memory on the CPU accelerator; no stage3_* keys below stage 3.
     assert dsconfig.zero_optimization(t, "cpu", 3)["offload_param"]["pin_memory"] is False
-    z2 = dsconfig.zero_optimization(params(zero_stage=2)["train"], "cuda", 3)
+    z2 = dsconfig.zero_optimization(params(zero_stage=2, zero=bucket)["train"], "cuda", 3)
     assert not any(k.startswith("stage3_") or k.startswith("offload") for k in z2)
-    nvme = params(zero_stage=3, offload={"optimizer": "nvme", "nvme_path": "/nvme"})["train"]
+    nvme = params(zero_stage=3, offload={"optimizer": "nvme", "nvme_path": "/nvme"}, zero=bucket)[
+        "train"
+    ]
     assert dsconfig.zero_optimization(nvme, "cuda", 3)["offload_optimizer"]["nvme_path"] == "/nvme"
     assert dsconfig.layout(t) == "ZeRO-3 + optimizer offload (cpu) + param offload (cpu)"
 
@@ -103,7 +107,10 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     auto = params(zero_stage="auto", micro_batch=1, seq_len=1024)
     # CPU: nothing to fit, the fewest collectives.
     assert layouts.auto_layout(auto, 3, "cpu")[:3] == (2, False, False)
-    medium = params_mod.deep_merge(auto, {"model": {"preset": "medium"}})
+    # Buckets as DeepSpeed's 200M (auto's smaller ones on these GPUs would move the 4 GB line).
+    medium = params_mod.deep_merge(
+        auto, {"model": {"preset": "medium"}, "train": {"zero": {"reduce_bucket_size": 200_000_000}}}
+    )
     gb, host = 10**9, 1000 * 10**9
     picks = {mem: layouts.auto_layout(medium, 3, "cuda", mem * gb, host)[:3] for mem in (80, 8, 4)}
     # Less GPU memory, a costlier layout: ZeRO-2, then ZeRO-3 + optimizer offload (ZeRO-3 alone

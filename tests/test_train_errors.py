@@ -11,6 +11,7 @@ from dsflow import checks, dsconfig, machine
 from dsflow.errors import UsageError
 from dsflow.model.build import build_model
 from dsflow.model.presets import model_config
+from dsflow.plan import comm
 from dsflow.params import deep_merge, load
 from dsflow.train import stage as train
 
@@ -74,9 +75,16 @@ def test_ds_config_generation_and_user_merge(tmp_path):
     with pytest.raises(ValueError, match=r"dsflow\.train\.stage\.plan_memory first"):
         dsconfig.build({**t, "zero_stage": "auto"}, dsconfig.resolve_batch(4, 2, None, 3), 9, "cpu")
     batch = dsconfig.resolve_batch(4, 2, None, 3)
+    # So is reduce_bucket_size: auto on several GPUs (the planner's bucket); on CPU, one size.
+    assert t["zero"]["reduce_bucket_size"] == "auto"
+    with pytest.raises(ValueError, match=r"reduce_bucket_size: auto .*plan_memory first"):
+        dsconfig.build(t, batch, 9, "cuda")
+    on_cpu = dsconfig.build(t, batch, 9, "cpu")["zero_optimization"]
+    assert on_cpu["reduce_bucket_size"] == comm.ONE_RANK_BUCKET
+    t = {**t, "zero": {**t["zero"], "reduce_bucket_size": 40_000_000}}
     cfg = dsconfig.build({**t, "precision": "fp16"}, batch, 100, "cuda")
     assert cfg["train_batch_size"] == 24 and cfg["fp16"]["loss_scale"] == 0
-    assert cfg["zero_optimization"]["reduce_bucket_size"] == t["zero"]["reduce_bucket_size"]
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 40_000_000
     assert cfg["scheduler"]["type"] == "WarmupCosineLR"
     warm = dsconfig.build({**t, "schedule": {**t["schedule"], "kind": "warmup"}}, batch, 100, "cpu")
     assert warm["scheduler"]["type"] == "WarmupLR" and warm["optimizer"]["params"]["torch_adam"]

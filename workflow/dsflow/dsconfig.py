@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dsflow.errors import UsageError
 from dsflow.params import deep_merge
+from dsflow.plan.comm import ONE_RANK_BUCKET
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,21 @@ def gradient_hooks(zero: dict, stage: int, world: int, device_type: str) -> tupl
     return overlap and device_type == "cuda", contiguous
 
 
+def reduce_bucket(zero: dict, device_type: str, world: int) -> int:
+    """train.zero.reduce_bucket_size; `auto` must have been decided by the planner where there is
+    something to reduce (GPUs, several ranks: dsflow.train.stage.plan_memory), elsewhere it is
+    the one-rank size."""
+    value = zero["reduce_bucket_size"]
+    if value != "auto":
+        return value
+    if device_type == "cuda" and world > 1:
+        raise ValueError(
+            "train.zero.reduce_bucket_size: auto reached the DeepSpeed config on several GPUs; "
+            "call dsflow.train.stage.plan_memory first"
+        )
+    return ONE_RANK_BUCKET
+
+
 def zero_optimization(train: dict, device_type: str, world: int) -> dict:
     """The zero_optimization section: stage, buckets, ZeRO-3 knobs and offload."""
     stage, zero, off = train["zero_stage"], train["zero"], train["offload"]
@@ -219,7 +235,7 @@ def zero_optimization(train: dict, device_type: str, world: int) -> dict:
         "allgather_partitions": zero["allgather_partitions"],
         "allgather_bucket_size": zero["allgather_bucket_size"],
         "reduce_scatter": zero["reduce_scatter"],
-        "reduce_bucket_size": zero["reduce_bucket_size"],
+        "reduce_bucket_size": reduce_bucket(zero, device_type, world),
         "overlap_comm": overlap,
         "contiguous_gradients": contiguous,
     }

@@ -15,9 +15,12 @@ from each rank:
 Without peer-to-peer (RTX 4090s: NCCL_P2P_DISABLE=1) NCCL stages every transfer through host
 memory: a byte crosses the sender's PCIe link to the host and the receiver's back. A link
 carries both directions at once, so a step's communication takes the bytes a rank sends over
-its link's one-way bandwidth. DeepSpeed overlaps a reduction with the backward that produces
-it (`overlap_comm`): at most the backward's two thirds of a micro-step's compute hide it; the
-all-gather of the updated weights follows the optimizer step, with nothing to hide behind.
+its link's one-way bandwidth. DeepSpeed's ZeRO-1/2 overlap a reduction with the backward that
+produces it (`overlap_comm`), bucket by bucket (`reduce_bucket_size`): at most the backward's
+two thirds of a micro-step's compute hide it, and the last bucket, filled when the backward
+ends, is sent after it. ZeRO-0's all-reduce follows the backward (DeepSpeed's engine does not
+overlap it); the all-gather of the updated weights follows the optimizer step, with nothing to
+hide behind.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ PCIE_GBPS = 12.0
 # docs/performance.md has measured MFUs).
 ASSUMED_MFU = 0.3
 BACKWARD_SHARE = 2 / 3  # of a micro-step's FLOPs: backward w.r.t. inputs and weights
+# The gradient reduce buckets `train.zero.reduce_bucket_size: auto` chooses (16-bit elements):
+# the last bucket of a backward is reduced after it, so its transfer is exposed every time;
+# it may take TAIL_SHARE of a micro-step's compute. Never below BUCKET_FLOOR (40M elements, as
+# Megatron-LM's default: smaller messages lose bandwidth, more so through host memory) nor
+# above DeepSpeed's own default; on one rank nothing is reduced, and ONE_RANK_BUCKET stays.
+TAIL_SHARE = 0.02
+BUCKET_FLOOR = 40_000_000
+BUCKET_CEILING = 500_000_000
+ONE_RANK_BUCKET = 200_000_000
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,23 @@ def bytes_per_step(params: int, world: int, zero_stage: int, accum: int) -> floa
     return 3 * accum * ring
 
 
+def reduce_bucket(world: int, micro_compute_s: float, gbps: float = PCIE_GBPS) -> int:
+    """The reduce bucket (elements) whose transfer takes TAIL_SHARE of a micro-step's compute
+    (`micro_compute_s`) over the link, within BUCKET_FLOOR..BUCKET_CEILING, in millions."""
+    if world <= 1:
+        return ONE_RANK_BUCKET
+    seconds = TAIL_SHARE * micro_compute_s
+    elements = seconds * gbps * 1e9 / ((world - 1) / world * 2)
+    return int(min(max(round(elements / 1e6) * 1_000_000, BUCKET_FLOOR), BUCKET_CEILING))
+
+
+def _overlapped(ring: float, backward: float, bucket_share: float) -> float:
+    """What a reduction of `ring` seconds, sent in buckets of `bucket_share` of the gradients
+    as the backward (`backward` seconds) fills them, leaves after the backward: the last
+    bucket's transfer at least, the link's backlog where it is slower than the backward."""
+    return max(ring - backward * (1 - bucket_share), ring * bucket_share)
+
+
 def step_traffic(
     params: int,
     world: int,
@@ -69,20 +98,23 @@ def step_traffic(
     peak_flops: float,
     gbps: float = PCIE_GBPS,
     mfu: float = ASSUMED_MFU,
+    bucket: int = ONE_RANK_BUCKET,
 ) -> Traffic:
     """A step's communication against its compute on one rank: `step_flops` are one rank's
-    FLOPs in a step (all micro-steps), `peak_flops` its GPU's datasheet peak."""
+    FLOPs in a step (all micro-steps), `peak_flops` its GPU's datasheet peak, `bucket` the
+    reduce bucket in elements (train.zero.reduce_bucket_size)."""
     sent = bytes_per_step(params, world, zero_stage, accum)
     ring = 0.0 if world <= 1 else (world - 1) / world * 2 * params / (gbps * 1e9)  # seconds
     compute = step_flops / (peak_flops * mfu)
     micro = compute / accum
     backward = BACKWARD_SHARE * micro
-    if zero_stage == 0:  # the all-reduce beside the last micro-step's backward
-        exposed = max(0.0, 2 * ring - backward)
+    share = min(1.0, bucket / params) if params else 1.0
+    if zero_stage == 0:  # DeepSpeed's engine all-reduces after the last backward, not beside it
+        exposed = 2 * ring
     elif zero_stage == 1:  # the reduce-scatter there too; the all-gather after the step
-        exposed = max(0.0, ring - backward) + ring
+        exposed = _overlapped(ring, backward, share) + ring
     elif zero_stage == 2:  # a reduce-scatter beside every backward; the all-gather after
-        exposed = accum * max(0.0, ring - backward) + ring
+        exposed = accum * _overlapped(ring, backward, share) + ring
     else:  # gathers and reduce-scatter beside every micro-step, prefetched into its forward
         exposed = accum * max(0.0, 3 * ring - micro)
     return Traffic(sent, sent / (gbps * 1e9), compute, exposed)
@@ -110,13 +142,14 @@ def accumulation_that_hides(
     share: float = 0.1,
     gbps: float = PCIE_GBPS,
     most: int = 64,
+    bucket: int = ONE_RANK_BUCKET,
 ) -> int | None:
     """The smallest accumulation at which, at this micro batch (`micro_flops`: one micro-step
     on one rank), the step waits on the link for at most `share` of its time; None when none
     up to `most` does (ZeRO-2 and ZeRO-3 pay again in every micro-step)."""
     for accum in range(1, most + 1):
         traffic = step_traffic(
-            params, world, zero_stage, accum, micro_flops * accum, peak_flops, gbps
+            params, world, zero_stage, accum, micro_flops * accum, peak_flops, gbps, bucket=bucket
         )
         if traffic.share <= share:
             return accum
@@ -133,22 +166,52 @@ def _gpu_name(source: str) -> str | None:
     return None
 
 
-def note(req: Any) -> str | None:
-    """The plan's line on communication for a request (dsflow.plan.request.Request) on several
-    GPUs: what its layout sends, against its compute on the GPU it names (an RTX 4090's
-    datasheet peak where it names none: the classic setup's card). None on one rank or CPU."""
+def _on_paper(req: Any) -> tuple[int, float, float, str]:
+    """(parameters whose gradients move, one rank's FLOPs a step, the GPU's datasheet peak,
+    whose peak it is) for a request (dsflow.plan.request.Request): the GPU it names, an RTX
+    4090 where it names none (the classic setup's card)."""
     from dsflow.model import flops, presets
 
-    if req.device != "cuda" or req.world <= 1:
-        return None
     trained = req.lora_adapter or presets.param_counts(req.config, req.mtp_depth)["total"]
     tokens = req.micro_batch * req.grad_accum * req.seq_len
     step_flops = flops.flops_per_token(req.config, req.seq_len, mtp_depth=req.mtp_depth) * tokens
-    name = _gpu_name(req.gpu_mem_source) or "RTX 4090"
-    peak = flops.peak_flops(name, req.precision) or flops.peak_flops("RTX 4090", req.precision)
-    traffic = step_traffic(trained, req.world, req.zero_stage, req.grad_accum, step_flops, peak)
+    name = _gpu_name(req.gpu_mem_source)
+    peak = flops.peak_flops(name or "RTX 4090", req.precision) or flops.peak_flops(
+        "RTX 4090", req.precision
+    )
+    return trained, step_flops, peak, "the GPU's" if name else "an RTX 4090's"
+
+
+def bucket_for(req: Any) -> int:
+    """The reduce bucket (elements) `train.zero.reduce_bucket_size: auto` takes for a request:
+    :func:`reduce_bucket` at its micro-step's compute; ONE_RANK_BUCKET on one rank or CPU."""
+    if req.device != "cuda" or req.world <= 1:
+        return ONE_RANK_BUCKET
+    _, step_flops, peak, _ = _on_paper(req)
+    return reduce_bucket(req.world, step_flops / req.grad_accum / (peak * ASSUMED_MFU))
+
+
+def note(req: Any) -> str | None:
+    """The plan's line on communication for a request on several GPUs: what its layout sends,
+    against its compute, with its reduce buckets. None on one rank or CPU."""
+    if req.device != "cuda" or req.world <= 1:
+        return None
+    trained, step_flops, peak, whose = _on_paper(req)
+    bucket = req.bucket_sizes[0]
+    traffic = step_traffic(
+        trained, req.world, req.zero_stage, req.grad_accum, step_flops, peak, bucket=bucket
+    )
+    hides = accumulation_that_hides(
+        trained, req.world, req.zero_stage, step_flops / req.grad_accum, peak, bucket=bucket
+    )
     # The card is named once, in the plan's GPU line; an unnamed one is taken as an RTX 4090.
-    whose = "the GPU's" if _gpu_name(req.gpu_mem_source) else "an RTX 4090's"
     return describe(traffic, req.zero_stage, req.grad_accum) + (
-        f" (peak: {whose} {peak / 1e12:g} TFLOP/s in {req.precision})"
+        f" (peak: {whose} {peak / 1e12:g} TFLOP/s in {req.precision}; reduce buckets of "
+        f"{bucket / 1e6:g}M elements); "
+        + (
+            f"at this micro batch, accumulation {hides} keeps the link under 10% of the step"
+            if hides
+            else f"no accumulation keeps the link under 10% of the step at this micro batch "
+            f"(ZeRO-{req.zero_stage} sends in every micro-step: a larger micro batch does)"
+        )
     )

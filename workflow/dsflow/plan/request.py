@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from dsflow.model import lora, mtp, presets, source
 from dsflow.model.build import load_checkpoint_config
 from dsflow.params import fp8_on
 from dsflow.paths import shard_index
-from dsflow.plan import memory
+from dsflow.plan import comm, memory
 
 DEFAULT_VOCAB = 32000
 
@@ -477,15 +477,25 @@ def _checkpoints(train: dict, batch: dsconfig.Batch) -> dict[str, int]:
 
 def _zero_buffers(zcfg: dict, zero: int, world: int) -> dict[str, Any]:
     """train.zero's bucket sizes, and whether DeepSpeed overlaps its gradient communication
-    (its reduce buckets then double), as the train stage resolves `auto` on GPUs."""
+    (its reduce buckets then double), as the train stage resolves `auto` on GPUs. A reduce
+    bucket of `auto` is decided once the request is whole (:func:`_reduce_bucket`)."""
     hooks = {"overlap_comm": "auto", "contiguous_gradients": "auto", **zcfg}
+    reduce = zcfg.get("reduce_bucket_size", memory.DEFAULT_BUCKETS[0])
     return {
         "bucket_sizes": (
-            int(zcfg.get("reduce_bucket_size", memory.DEFAULT_BUCKETS[0])),
+            memory.DEFAULT_BUCKETS[0] if reduce == "auto" else int(reduce),
             int(zcfg.get("allgather_bucket_size", memory.DEFAULT_BUCKETS[1])),
         ),
         "overlap_comm": dsconfig.gradient_hooks(hooks, zero, world, "cuda")[0],
     }
+
+
+def _reduce_bucket(req: Request, zcfg: dict) -> Request:
+    """`train.zero.reduce_bucket_size: auto`: the bucket the communication estimate chooses for
+    this model, batch and GPU (dsflow.plan.comm.bucket_for)."""
+    if zcfg.get("reduce_bucket_size") != "auto":
+        return req
+    return replace(req, bucket_sizes=(comm.bucket_for(req), req.bucket_sizes[1]))
 
 
 def resolve(
@@ -535,7 +545,7 @@ def resolve(
     offload_device, nvme_path = _offload_device(train, args)
     seq_len = int(_arg(args, "seq_len") or train["seq_len"])
     mtp_depth = _mtp_depth(params, args, config, seq_len, notes)
-    return Request(
+    req = Request(
         config=config,
         preset=model[0],
         vocab_size=int(config.vocab_size),
@@ -567,3 +577,4 @@ def resolve(
         pretrained=model[2],
         notes=notes,
     )
+    return _reduce_bucket(req, train.get("zero", {}))

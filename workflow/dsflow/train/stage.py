@@ -38,7 +38,7 @@ from dsflow.data.shards import load_index
 from dsflow.errors import UsageError
 from dsflow.model import fastpaths, float8, lora, presets, source
 from dsflow.model.build import check_mtp, check_vocab_fits, load_checkpoint_config
-from dsflow.params import one_line
+from dsflow.params import deep_merge, one_line
 from dsflow.paths import CHECKPOINTS, SHARDS, TOKENIZER
 from dsflow.plan import layouts, memory, request
 from dsflow.progress import child_output, log, to_log, whole_lines
@@ -455,6 +455,15 @@ def plan_memory(params: dict, world: int, device: str) -> tuple[dict, dict]:
     return params, layouts.assess(chosen, est if same else None)
 
 
+def with_planned_bucket(params: dict, memory_plan: dict) -> dict:
+    """params with `train.zero.reduce_bucket_size: auto` replaced by the bucket the memory plan
+    was made with (dsflow.plan.comm.bucket_for: its model, batch and GPUs)."""
+    if params["train"]["zero"]["reduce_bucket_size"] != "auto":
+        return params
+    bucket = memory_plan["estimate"]["inputs"]["bucket_sizes"][0]
+    return deep_merge(params, {"train": {"zero": {"reduce_bucket_size": int(bucket)}}})
+
+
 def planned_reserved_bytes(memory_plan: dict | None, device: str) -> int | None:
     """The planner's peak per GPU for this launch as torch.cuda.max_memory_reserved sees it (its
     total without the fixed CUDA context and workspaces, which the caching allocator does not
@@ -501,7 +510,7 @@ def run(params: dict) -> None:
     auto = params["train"]["zero_stage"] == "auto"
     world = local_ranks * params["train"]["nodes"]
     params, memory_plan = plan_memory(params, world, device)
-    spec = resolve_run(params)
+    spec = resolve_run(with_planned_bucket(params, memory_plan))
     saved = saved_layout(CHECKPOINTS, spec) if auto else None
     if saved is not None:
         # A run cannot resume across ZeRO stages or offload settings, and auto picks by the
@@ -511,7 +520,7 @@ def run(params: dict) -> None:
             dsconfig.layout(saved["train"]),
         )
         params, memory_plan = plan_memory(saved, world, device)
-        spec = resolve_run(params)
+        spec = resolve_run(with_planned_bucket(params, memory_plan))
     if launch.slurm_fanout(params["train"]):
         _run_on_slurm_nodes(params, spec)
         return
