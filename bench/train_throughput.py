@@ -99,7 +99,7 @@ import yaml
 from dsflow.errors import UsageError
 from dsflow.model import flops, hfkernels
 from dsflow.model.fastpaths import DEFAULT_CE_CHUNK
-from dsflow.model.presets import model_config, preset_model_type
+from dsflow.model.presets import PRESETS, model_config, preset_model_type
 from dsflow.params import deep_merge
 from dsflow.paths import TOKENIZER
 from dsflow.train.stage import vocab_size
@@ -346,11 +346,19 @@ def run_stage(
         "planned_gb": metrics.get("planned_reserved_gb"),
         "params_total": metrics["params_total"],
         "params_activated": metrics["params_activated"],
-        "experts": experts_of(perf),
-        "experts_why": perf.get("experts_why", ""),
+        **experts_taken(config, perf),
         "wall_s": wall,
         "log": str(log_path),
     }
+
+
+def experts_taken(config: dict, perf: dict) -> dict:
+    """{"experts": the routed experts' kernel a run took, "experts_why": why hf-best took it};
+    "none" for a config whose layers are all dense."""
+    shape = {**PRESETS[config["preset"]], **config["overrides"]}
+    if shape["first_k_dense_replace"] >= shape["num_hidden_layers"]:
+        return {"experts": "none", "experts_why": ""}
+    return {"experts": experts_of(perf), "experts_why": perf.get("experts_why", "")}
 
 
 def experts_of(perf: dict) -> str:

@@ -261,6 +261,13 @@ def test_the_table_names_each_runs_experts_and_why_hf_best_took_them(
 )
 def test_a_runs_experts_are_named_from_its_resolved_perf(bench, perf, experts):
     assert bench.experts_of(perf) == experts
+    why = {**perf, "experts_why": "sonicmoe needs a GPU"}
+    assert bench.experts_taken(bench.CONFIGS["moe"], why) == {
+        "experts": experts,
+        "experts_why": "sonicmoe needs a GPU",
+    }
+    # all layers dense: no routed experts to name
+    assert bench.experts_taken(bench.CONFIGS["dense"], why)["experts"] == "none"
 
 
 def test_baseline_liger_is_left_out_in_one_line_where_liger_cannot_run(
