@@ -60,6 +60,7 @@ Needs data/shards and data/tokenizer (the data stages) in the working directory;
 (or --out).
 
     python bench/train_throughput.py --configs dense,moe --variants baseline,noise,noise-ce,dsflow
+    python bench/train_throughput.py --configs moe --variants baseline,baseline-liger,noise,dsflow
     python bench/train_throughput.py --configs dense --variants dsflow,no-compile --profile dsflow
     python bench/train_throughput.py --configs dense,moe --variants dsflow,zero2,cudagraphs
     python bench/train_throughput.py --configs moe --variants baseline,zero2+sorted-experts
