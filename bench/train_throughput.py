@@ -4,9 +4,15 @@ In one run on one GPU: first the bf16 matmul peak (what "of achievable" is again
 each model config, the train stage (`python -m dsflow train`, so the real code path: DeepSpeed,
 bf16, the same data, seed, batch and sequence length) twice:
 
-- baseline: `train.perf` all off = stock HF `DeepseekV3ForCausalLM` (SDPA attention, grouped_mm
-  experts, eager), full logits + cross-entropy, batches read inline, DeepSpeed's own gradient
-  checks, ZeRO-2;
+- baseline: `train.perf` all off = stock HF `DeepseekV3ForCausalLM` (SDPA attention, eager),
+  full logits + cross-entropy, batches read inline, DeepSpeed's own gradient checks, ZeRO-2,
+  and HF's fastest experts kernel here, as a user would pick it (`train.perf.experts: hf-best`:
+  `sonicmoe` on compute capability 9.x where the sonic-moe package loads, else `grouped_mm`;
+  the table's `experts` column says which, results.json why);
+- baseline-liger: the baseline with Liger Kernel applied as HF's Trainer applies it
+  (`train.perf.liger`: its RMSNorm, SwiGLU MLPs, fused MoE experts, fused lm_head +
+  cross-entropy); where liger-kernel is missing or does not support the model, the bench says
+  why in one line and leaves it out;
 - dsflow: params.yaml's defaults (`train.perf`: compiled layers, padded flash attention, fused
   lm_head + cross-entropy, prefetched pinned batches, fused gradient checks, for MoE models the
   sorted experts and the router hooks traced into the compiled layers; dsflow's fused
@@ -26,7 +32,9 @@ bf16, the same data, seed, batch and sequence length) twice:
 
 - noise, noise-ce: the baseline with one exact change of kernel each (flash attention on
   zero-padded V; the chunked lm_head + cross-entropy), which measure bf16 noise: how far curves
-  that differ from the baseline's only by rounding drift from it and from each other.
+  that differ from the baseline's only by rounding drift from it and from each other. A
+  comparison asked for without any noise run of its reference gets one added (`noise`, or
+  `no-flash` for dsflow; once, in the first round), unless `--add-runs` brings one.
 
 Configs: `dense` and `moe` (the medium preset), `v2lite4` and `moonlight4` (DeepSeek-V2-Lite's
 and Moonlight-16B-A3B's published widths, 4 layers: the two families at real widths);
@@ -52,6 +60,7 @@ Needs data/shards and data/tokenizer (the data stages) in the working directory;
 (or --out).
 
     python bench/train_throughput.py --configs dense,moe --variants baseline,noise,noise-ce,dsflow
+    python bench/train_throughput.py --configs moe --variants baseline,baseline-liger,noise,dsflow
     python bench/train_throughput.py --configs dense --variants dsflow,no-compile --profile dsflow
     python bench/train_throughput.py --configs dense,moe --variants dsflow,zero2,cudagraphs
     python bench/train_throughput.py --configs moe --variants baseline,zero2+sorted-experts
@@ -65,7 +74,7 @@ Variants stack with +: `a+b` is b's overlay on a's. `--repeat N` runs the varian
 in turn (baseline, dsflow, baseline, dsflow, ...): step times are medians over the rounds and the
 speedup is the median of the rounds' ratios, printed with their range, since the same baseline's
 step time moves between runs (docs/performance.md). Every listed variant reruns each round, the
-noise runs too: list only the timed ones with --repeat.
+noise runs too: list only the timed ones with --repeat (the noise run the bench adds runs once).
 
     python bench/train_throughput.py --configs dense,moe --variants baseline,dsflow --repeat 3
 """
@@ -88,9 +97,10 @@ from pathlib import Path
 
 import yaml
 
-from dsflow.model import flops
+from dsflow.errors import UsageError
+from dsflow.model import flops, hfkernels
 from dsflow.model.fastpaths import DEFAULT_CE_CHUNK
-from dsflow.model.presets import model_config
+from dsflow.model.presets import PRESETS, model_config, preset_model_type
 from dsflow.params import deep_merge
 from dsflow.paths import TOKENIZER
 from dsflow.train.stage import vocab_size
@@ -137,7 +147,7 @@ VARIANTS = {
             "ce_chunk": 0,
             "prefetch": False,
             "fused_grad_checks": False,
-            "experts": "hf",
+            "experts": "hf-best",
             "optimizer": "deepspeed",
             "async_metrics": False,
         },
@@ -194,6 +204,8 @@ NOISE = {
 }
 for _name, _change in NOISE.items():
     VARIANTS[_name] = {**VARIANTS["baseline"], "perf": {**VARIANTS["baseline"]["perf"], **_change}}
+# The stock path with Liger Kernel, as a user of HF's Trainer turns it on (use_liger_kernel).
+VARIANTS["baseline-liger"] = deep_merge(VARIANTS["baseline"], {"perf": {"liger": True}})
 # The runs others can be judged against (--reference) and their noise runs: dsflow's is its
 # attention through SDPA instead of the padded flash kernel (the same math, another kernel), for
 # an opt-in such as fp8 measured against dsflow's bf16.
@@ -316,6 +328,7 @@ def run_stage(
         return {"name": name, "failed": True}
     live = Path("dvclive/plots/metrics")
     metrics = json.loads(Path("metrics/train.json").read_text())
+    perf = json.loads(Path("checkpoints/run.json").read_text())["perf"]
     step_s = tsv(live / "perf/step_s.tsv", "step_s")
     warm = max(10, steps // 4)  # compilation and allocator warm-up stay out of the timing
     steady = [v for s, v in step_s.items() if s > warm]
@@ -334,9 +347,40 @@ def run_stage(
         "planned_gb": metrics.get("planned_reserved_gb"),
         "params_total": metrics["params_total"],
         "params_activated": metrics["params_activated"],
+        **experts_taken(config, perf),
         "wall_s": wall,
         "log": str(log_path),
     }
+
+
+def experts_taken(config: dict, perf: dict) -> dict:
+    """{"experts": the routed experts' kernel a run took, "experts_why": why hf-best took it};
+    "none" for a config whose layers are all dense."""
+    shape = {**PRESETS[config["preset"]], **config["overrides"]}
+    if shape["first_k_dense_replace"] >= shape["num_hidden_layers"]:
+        return {"experts": "none", "experts_why": ""}
+    return {"experts": experts_of(perf), "experts_why": perf.get("experts_why", "")}
+
+
+def experts_of(perf: dict) -> str:
+    """The routed experts' kernel a run took (its run.json's train.perf, as the stage resolved
+    it), as the table names it."""
+    if perf.get("liger"):
+        return "liger"
+    return "grouped_mm" if perf["experts"] == "hf" else perf["experts"]
+
+
+def refusal(cname: str, vname: str) -> str | None:
+    """Why variant `vname` cannot run on config `cname` here (one line), or None: Liger Kernel
+    where liger-kernel is missing or does not support the model."""
+    if not variant(vname).get("perf", {}).get("liger"):
+        return None
+    config = CONFIGS[cname]
+    try:
+        hfkernels.check_liger(preset_model_type(config["preset"]), config.get("mtp_depth", 0))
+    except UsageError as e:
+        return str(e)
+    return None
 
 
 def wait_or_stop(proc: subprocess.Popen, until=None, poll_s: float = 1.0) -> bool:
@@ -523,13 +567,54 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def noise_run_to_add(variants: list[str], reference: str, added: set[str]) -> str | None:
+    """The reference's first noise run, when `variants` compare runs with the reference but
+    neither they nor the runs `added` from earlier benches hold one of its noise runs: without
+    one the loss check falls back to fixed tolerances, which bf16 noise alone can exceed."""
+    noise = NOISE_RUNS[reference]
+    have = set(variants) | added
+    judged = [v for v in variants if v not in references(reference)]
+    if reference not in have or not judged or have & set(noise):
+        return None
+    return noise[0]
+
+
+def variants_of(cname: str, args: argparse.Namespace, added: set[str]) -> tuple[list, list]:
+    """(the listed variants config `cname` runs every round, those it runs in the first round
+    only: the noise run the bench adds); a variant that cannot run here is left out, one line
+    saying why."""
+    listed = []
+    for vname in args.variants.split(","):
+        why = refusal(cname, vname)
+        if why:
+            print(f"  {cname}-{vname}: left out: {why}", flush=True)
+        else:
+            listed.append(vname)
+    extra = noise_run_to_add(listed, args.reference, added)
+    if extra is None:
+        return listed, []
+    print(
+        f"  {cname}: no noise run of {args.reference} asked for: adding {extra}, the loss "
+        "check's reference (once)",
+        flush=True,
+    )
+    return listed, [extra]
+
+
 def run_config(
-    cname: str, args: argparse.Namespace, peaks: tuple, out: Path, results: dict
+    cname: str,
+    args: argparse.Namespace,
+    peaks: tuple,
+    out: Path,
+    results: dict,
+    added: set[str] = frozenset(),
 ) -> dict:
     """Every variant of config `cname`, `--repeat` rounds of them in turn (so baseline and
     dsflow alternate and share the machine's drift), each saved into results.json as soon as
-    it finishes. A variant's step time is the median over its rounds; its losses are those of
-    its first round that finished. `peaks` = (datasheet, measured) TFLOP/s: MFU and MFU of achievable."""
+    it finishes, and the noise run variants_of adds, in the first round. A variant's step time
+    is the median over its rounds; its losses are those of its first round that finished.
+    `peaks` = (datasheet, measured) TFLOP/s: MFU and MFU of achievable; `added`: the names of
+    the runs --add-runs brings."""
     config = CONFIGS[cname]
 
     def mfus(step_s: float, vname: str) -> tuple:  # (tokens/s, MFU, of achievable) at this step
@@ -542,8 +627,9 @@ def run_config(
     batch = {"seq_len": args.seq, "micro_batch": args.micro}
 
     runs = results["runs"][cname] = {}
+    listed, once = variants_of(cname, args, added)
     for round_ in range(1, args.repeat + 1):
-        for vname in args.variants.split(","):
+        for vname in listed + (once if round_ == 1 else []):
             name = f"{cname}-{vname}" + (f"-{round_}" if args.repeat > 1 else "")
             print(f"running {name} ...", flush=True)
             profile = round_ == 1 and (
@@ -572,9 +658,10 @@ def run_config(
     return runs
 
 
-def add_runs(cname: str, runs: dict, files: str, shape: tuple[int, int]) -> None:
-    """Runs of `cname` from earlier results.json files made at the same (seq, micro), for the
-    names `runs` lacks (JSON keeps the steps as strings: back to ints)."""
+def saved_runs(cname: str, files: str, shape: tuple[int, int]) -> dict[str, dict]:
+    """Runs of `cname` with losses in earlier results.json files made at the same (seq, micro),
+    the first file's where several hold a name (JSON keeps the steps as strings: back to ints)."""
+    found: dict[str, dict] = {}
     for path in filter(None, files.split(",")):
         saved = json.loads(Path(path).read_text())
         theirs = (saved.get("seq", SEQ), saved.get("micro", MICRO))
@@ -582,13 +669,21 @@ def add_runs(cname: str, runs: dict, files: str, shape: tuple[int, int]) -> None
             print(f"  {path}: seq x micro {theirs}, not {shape}: left out", flush=True)
             continue
         for vname, r in saved["runs"].get(cname, {}).items():
-            if vname in runs or "loss" not in r:
+            if vname in found or "loss" not in r:
                 continue
             ints = {
                 k: {int(s): v for s, v in r.get(k, {}).items()} for k in ("loss", "step_s_rounds")
             }
-            runs[vname] = {**r, **ints, "added_from": path}
-            print(f"  {cname}-{vname}: from {path}", flush=True)
+            found[vname] = {**r, **ints, "added_from": path}
+    return found
+
+
+def add_runs(cname: str, runs: dict, saved: dict[str, dict]) -> None:
+    """The `saved` runs (saved_runs) whose names `runs` lacks join it."""
+    for vname, r in saved.items():
+        if vname not in runs:
+            runs[vname] = r
+            print(f"  {cname}-{vname}: from {r['added_from']}", flush=True)
 
 
 def speedup(r: dict, base: dict | None) -> str:
@@ -649,7 +744,8 @@ def print_table(rows: list, peaks: tuple, datasheet: str, args) -> None:
         f"{peaks[1]:.0f} TFLOP/s; seq {args.seq}, micro {args.micro}, 1 GPU, bf16"
     )
     header = (
-        f"{'config':<7} {'run':<12} {'params tot/act':>16} {'tok/s':>9} {'MFU':>6} {'of achv':>7} "
+        f"{'config':<7} {'run':<12} {'experts':<10} {'params tot/act':>16} {'tok/s':>9} "
+        f"{'MFU':>6} {'of achv':>7} "
         f"{'step ms':>8} {'peak GB':>8} {'plan/rsv':>8} {'data wait':>9} "
         f"{'x ' + args.reference:>18} {'loss d mean/max':>17}"
     )
@@ -661,7 +757,8 @@ def print_table(rows: list, peaks: tuple, datasheet: str, args) -> None:
         agree += "!" if r["loss_agrees"] is False else " " if agree else ""
         params = f"{r['params_total'] / 1e6:.0f}M/{r['params_activated'] / 1e6:.0f}M"
         print(
-            f"{cname:<7} {vname:<12} {params:>16} {r['tokens_per_s']:>9,.0f} "
+            f"{cname:<7} {vname:<12} {r.get('experts', ''):<10} {params:>16} "
+            f"{r['tokens_per_s']:>9,.0f} "
             f"{percent(r['mfu']):>6} {percent(r['mfu_of_achievable']):>7} "
             f"{1e3 * r['step_s']:>8.1f} {r['peak_gb']:>8.1f} {plan_ratio(r):>8} "
             f"{100 * r['data_wait']:>8.2f}% {'added' if 'added_from' in r else speedup(r, base):>18} {agree:>17}"
@@ -672,6 +769,17 @@ def print_table(rows: list, peaks: tuple, datasheet: str, args) -> None:
         f"mean per step / largest of {SMOOTH}-step means; ! = outside the tolerance; plan/rsv: "
         "the planner's reserved peak over torch.cuda.max_memory_reserved"
     )
+    print_experts_choices(rows)
+
+
+def print_experts_choices(rows: list) -> None:
+    """Why train.perf.experts hf-best took the kernel it did, once per config and reason."""
+    runs_of: dict[tuple[str, str, str], list[str]] = {}
+    for cname, vname, r, _ in rows:
+        if r.get("experts_why"):
+            runs_of.setdefault((cname, r["experts"], r["experts_why"]), []).append(vname)
+    for (cname, experts, why), vnames in runs_of.items():
+        print(f"{cname}: experts hf-best took {experts} ({why}): {', '.join(vnames)}")
 
 
 def print_verdicts(results: dict, rows: list) -> bool:
@@ -718,8 +826,9 @@ def main() -> int:
     results.update(seq=args.seq, micro=args.micro)
     rows = []
     for cname in args.configs.split(","):
-        runs = run_config(cname, args, (datasheet, peak), out, results)
-        add_runs(cname, runs, args.add_runs, (args.seq, args.micro))
+        saved = saved_runs(cname, args.add_runs, (args.seq, args.micro))
+        runs = run_config(cname, args, (datasheet, peak), out, results, set(saved))
+        add_runs(cname, runs, saved)
         judge_config(cname, runs, results, rows, args)
         (out / "results.json").write_text(json.dumps(results, indent=2))
     print_table(rows, (datasheet, peak), what, args)

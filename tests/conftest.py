@@ -72,6 +72,7 @@ def tiny_run(gpus: int, steps: int, **train) -> dict:
 # project's. At the top: outputs, data, carried wheels, environments (as .gitignore says, and
 # what is carried to the GPU host); anywhere: caches.
 NOT_PROJECT_TOP = {".git", ".whl", ".venv", "shared", "bench-out", ".snakemake", ".locks"}
+NOT_PROJECT_TOP |= {".whl-kernels", ".whl-kernels-part0"}
 NOT_PROJECT_TOP |= {"checkpoints", "models", "reports", "logs", "runs", "dvclive", "metrics"}
 NOT_PROJECT_ANY = {"__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", ".hypothesis"}
 # Top folders of which only these files are the project's: the rest are stage outputs, and DVC's

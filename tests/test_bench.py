@@ -108,8 +108,9 @@ def run_bench(bench, monkeypatch, tmp_path, curves: dict, variants: str, *more, 
 def test_repeated_rounds_alternate_and_give_the_speedup_with_its_spread(
     bench, monkeypatch, tmp_path, capsys
 ):
-    """--repeat 3: baseline and dsflow run in turn, three of each; step times are medians and
-    the speedup is the median of the rounds' ratios with their range."""
+    """--repeat 3: baseline and dsflow run in turn, three of each (and the noise run the bench
+    adds, once); step times are medians and the speedup is the median of the rounds' ratios
+    with their range."""
     base_s = {"1": 0.30, "2": 0.36, "3": 0.33}
     dsflow_s = {"1": 0.10, "2": 0.10, "3": 0.12}
     order = []
@@ -119,13 +120,14 @@ def test_repeated_rounds_alternate_and_give_the_speedup_with_its_spread(
         variant, round_ = name.split("-")[1:]
         return (base_s if variant == "baseline" else dsflow_s)[round_]
 
-    curves = {"baseline": curve(), "dsflow": curve()}
+    curves = {"baseline": curve(), "dsflow": curve(), "noise": curve(0.005, phase=2.0)}
     code = run_bench(
         bench, monkeypatch, tmp_path, curves, "baseline,dsflow", "--repeat", "3", step_s=step_s
     )
     out = capsys.readouterr().out
     assert code == 0
-    assert order == [f"dense-{v}-{k}" for k in "123" for v in ("baseline", "dsflow")]
+    timed = [f"dense-{v}-{k}" for k in "123" for v in ("baseline", "dsflow")]
+    assert order == [*timed[:2], "dense-noise-1", *timed[2:]]
     run = json.loads((tmp_path / "results.json").read_text())["runs"]["dense"]["dsflow"]
     assert run["step_s"] == pytest.approx(0.10)
     assert run["tokens_per_s"] == pytest.approx(16 * 1024 / 0.10)
@@ -134,38 +136,36 @@ def test_repeated_rounds_alternate_and_give_the_speedup_with_its_spread(
 
 
 @pytest.mark.parametrize(
-    "dsflow, noise, agrees",
+    "dsflow, noise, listed, agrees",
     [
         # Rounding-sized differences, the noise run's as large: the same math.
-        (curve(0.01, phase=1.0), curve(0.01, phase=2.0), True),
-        # The same ripple, but no noise run to calibrate on: the fixed 1% mean fails it.
-        (curve(0.03, phase=1.0), None, False),
-        # ... and with a noise run that drifts as much, it is bf16 noise.
-        (curve(0.03, phase=1.0), curve(0.03, phase=2.0), True),
+        (curve(0.01, phase=1.0), curve(0.01, phase=2.0), True, True),
+        # A 3% ripple, outside the fixed 1% mean, with a noise run that drifts as much: bf16
+        # noise. Not asked for, the bench adds the noise run (at the fixed tolerance a run
+        # like this reads DISAGREE).
+        (curve(0.03, phase=1.0), curve(0.03, phase=2.0), False, True),
+        (curve(0.03, phase=1.0), curve(0.03, phase=2.0), True, True),
         # A curve 3% higher at every step is another result, whatever the noise run did.
-        (curve(scale=1.03), curve(0.005, phase=2.0), False),
+        (curve(scale=1.03), curve(0.005, phase=2.0), True, False),
     ],
 )
 def test_the_bench_verdict_judges_dsflow_against_the_noise_run(
-    bench, monkeypatch, tmp_path, capsys, dsflow, noise, agrees
+    bench, monkeypatch, tmp_path, capsys, dsflow, noise, listed, agrees
 ):
-    curves = {"baseline": curve(), "dsflow": dsflow}
-    variants = "baseline,dsflow"
-    if noise is not None:
-        curves["noise"] = noise
-        variants = "baseline,noise,dsflow"
+    curves = {"baseline": curve(), "dsflow": dsflow, "noise": noise}
+    variants = "baseline,noise,dsflow" if listed else "baseline,dsflow"
     code = run_bench(bench, monkeypatch, tmp_path, curves, variants)
     out = capsys.readouterr().out
     assert code == (0 if agrees else 1)
     assert ("dense: dsflow vs baseline agree" in out) == agrees
     assert ("dense: dsflow vs baseline DISAGREE" in out) != agrees
-    if noise is not None:
-        drift = bench.loss_agreement(curves["baseline"], noise)
-        noisy = drift[0] > bench.FIXED_MEAN or drift[1] > bench.FIXED_MAX
-        assert ("warning: the noise runs drifted" in out) == noisy
+    assert ("adding noise, the loss check's reference" in out) != listed
+    drift = bench.loss_agreement(curves["baseline"], noise)
+    noisy = drift[0] > bench.FIXED_MEAN or drift[1] > bench.FIXED_MAX
+    assert ("warning: the noise runs drifted" in out) == noisy
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["runs"]["dense"]["dsflow"]["loss_agrees"] is agrees
-    assert results["loss_tolerance"]["dense"]["from_noise_run"] is (noise is not None)
+    assert results["loss_tolerance"]["dense"]["from_noise_run"]
     # 16 x 1024 tokens in 0.1 s: MFU against the datasheet's 989.5 TFLOP/s, "of achievable"
     # against the 700 measured.
     run = results["runs"]["dense"]["dsflow"]
@@ -218,6 +218,77 @@ def test_the_noise_level_is_the_largest_difference_between_two_reference_runs(be
     assert run[0] > narrow[0] and run[0] <= wide[0] and run[1] <= wide[1]
 
 
+@pytest.mark.parametrize(
+    "variants, reference, added, adds",
+    [
+        (["baseline", "dsflow"], "baseline", set(), "noise"),
+        (["baseline", "noise-ce", "dsflow"], "baseline", set(), None),
+        (["baseline", "dsflow"], "baseline", {"noise"}, None),  # from --add-runs
+        (["dsflow", "fp8"], "dsflow", set(), "no-flash"),
+        (["dsflow", "fp8"], "dsflow", {"dsflow"}, "no-flash"),
+        (["baseline"], "baseline", set(), None),  # nothing compared
+        (["dsflow", "zero1"], "baseline", set(), None),  # no reference: nothing compared
+        (["dsflow"], "baseline", {"baseline"}, "noise"),  # the reference from --add-runs
+    ],
+)
+def test_a_comparison_without_a_noise_run_gets_one(bench, variants, reference, added, adds):
+    assert bench.noise_run_to_add(variants, reference, added) == adds
+
+
+def test_the_table_names_each_runs_experts_and_why_hf_best_took_them(
+    bench, monkeypatch, tmp_path, capsys
+):
+    curves = {"baseline": curve(), "noise": curve(0.005, phase=2.0)}
+    why = "sonic-moe 0.1.2.post1 loads, compute capability 9.0"
+    more = {"experts": "sonicmoe", "experts_why": why}
+    run_bench(bench, monkeypatch, tmp_path, curves, "baseline,noise", more=more)
+    out = capsys.readouterr().out
+    assert re.search(r"\nconfig +run +experts ", out)
+    assert re.search(r"\ndense +baseline +sonicmoe ", out)
+    assert f"dense: experts hf-best took sonicmoe ({why}): baseline, noise" in out
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]["dense"]
+    assert runs["baseline"]["experts"] == "sonicmoe"
+
+
+@pytest.mark.parametrize(
+    "perf, experts",
+    [
+        ({"experts": "hf"}, "grouped_mm"),
+        ({"experts": "sonicmoe"}, "sonicmoe"),
+        ({"experts": "sorted"}, "sorted"),
+        ({"experts": "hf", "liger": True}, "liger"),
+    ],
+)
+def test_a_runs_experts_are_named_from_its_resolved_perf(bench, perf, experts):
+    assert bench.experts_of(perf) == experts
+    why = {**perf, "experts_why": "sonicmoe needs a GPU"}
+    assert bench.experts_taken(bench.CONFIGS["moe"], why) == {
+        "experts": experts,
+        "experts_why": "sonicmoe needs a GPU",
+    }
+    # all layers dense: no routed experts to name
+    assert bench.experts_taken(bench.CONFIGS["dense"], why)["experts"] == "none"
+
+
+def test_baseline_liger_is_left_out_in_one_line_where_liger_cannot_run(
+    bench, monkeypatch, tmp_path, capsys
+):
+    from dsflow.model import hfkernels
+
+    curves = {v: curve() for v in ("baseline", "noise", "baseline-liger")}
+    why = "needs liger-kernel, which does not import here"
+    monkeypatch.setattr(hfkernels, "liger_refusal", lambda model_type: why)
+    run_bench(bench, monkeypatch, tmp_path, curves, "baseline,noise,baseline-liger")
+    out = capsys.readouterr().out
+    assert f"dense-baseline-liger: left out: train.perf.liger: true {why}; set" in out
+    assert "running dense-baseline-liger" not in out
+    monkeypatch.setattr(hfkernels, "liger_refusal", lambda model_type: None)
+    seen = []
+    run_bench(bench, monkeypatch, tmp_path, curves, "baseline,noise,baseline-liger", seen=seen)
+    assert "dense: baseline-liger vs baseline agree" in capsys.readouterr().out
+    assert seen[-1]["perf"] == {**bench.VARIANTS["baseline"]["perf"], "liger": True}
+
+
 def test_without_a_baseline_nothing_is_judged(bench, monkeypatch, tmp_path, capsys):
     curves = {"dsflow": curve(), "zero1": curve()}
     assert run_bench(bench, monkeypatch, tmp_path, curves, "dsflow,zero1") == 0
@@ -263,7 +334,7 @@ def test_every_variant_and_config_is_a_valid_params_overlay(bench):
 def test_each_run_prints_the_planned_against_the_measured_peak(
     bench, monkeypatch, tmp_path, capsys
 ):
-    curves = {"baseline": curve(), "dsflow": curve()}
+    curves = {"baseline": curve(), "noise": curve(), "dsflow": curve()}
     memory = {"reserved_gb": 10.0, "planned_gb": 11.0}
     run_bench(bench, monkeypatch, tmp_path, curves, "baseline,dsflow", more=memory)
     out = capsys.readouterr().out
@@ -363,6 +434,7 @@ def test_a_run_shorter_than_the_compared_steps_is_compared_over_its_own(
     """--steps 30 with the default 50 compared steps: the loss table stops at step 30 (no
     zeros for steps never run) and the verdict says 30 steps."""
     curves = {"baseline": curve(steps=30), "dsflow": curve(0.002, phase=1.0, steps=30)}
+    curves["noise"] = curve(steps=30)
     assert run_bench(bench, monkeypatch, tmp_path, curves, "baseline,dsflow", "--steps", "30") == 0
     out = capsys.readouterr().out
     columns = next(line for line in out.splitlines() if "loss at steps" in line).split()
@@ -390,11 +462,12 @@ def test_runs_of_an_earlier_bench_join_the_comparison(bench, monkeypatch, tmp_pa
     results = json.loads((tmp_path / "here/results.json").read_text())
     assert results["loss_tolerance"]["dense"]["from_noise_run"]
     assert re.search(r"no-flash .* added", out)  # its speed is not compared
-    alone = run_bench(bench, monkeypatch, tmp_path / "alone", curves, "dsflow,fp8", *more[:2])
-    assert alone == 1
-    # made at another batch shape: left out
+    assert "adding no-flash" not in out
+    # made at another batch shape: left out, and the bench runs its own noise run instead
     run_bench(bench, monkeypatch, tmp_path / "other", curves, "dsflow,fp8", *more, "--micro", "8")
-    assert "seq x micro (1024, 16), not (1024, 8): left out" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "seq x micro (1024, 16), not (1024, 8): left out" in out
+    assert "dense: no noise run of dsflow asked for: adding no-flash" in out
 
 
 def test_a_stage_is_asked_to_stop_once_the_condition_holds(bench, tmp_path, monkeypatch):
@@ -543,10 +616,10 @@ def test_the_batch_shape_is_a_bench_argument(bench, monkeypatch, tmp_path, capsy
     """--micro and --seq (more tokens per expert, say) reach the stage under every variant and
     count in tokens/s, MFU and the table's header."""
     seen = []
-    curves = {"dsflow": curve(), "baseline": curve()}
+    curves = {"dsflow": curve(), "baseline": curve(), "noise": curve()}
     more = ("--micro", "32", "--seq", "2048")
     assert run_bench(bench, monkeypatch, tmp_path, curves, "baseline,dsflow", *more, seen=seen) == 0
-    assert [(v["micro_batch"], v["seq_len"]) for v in seen] == [(32, 2048), (32, 2048)]
+    assert [(v["micro_batch"], v["seq_len"]) for v in seen] == [(32, 2048)] * 3
     results = json.loads((tmp_path / "results.json").read_text())
     run = results["runs"]["dense"]["dsflow"]
     assert run["tokens_per_s"] == pytest.approx(32 * 2048 / 0.1)

@@ -35,6 +35,8 @@
   sorted on CUDA in bf16 and fp16 at ZeRO-0/1/2 (HF's experts elsewhere, and on a GPU below
   SM80 or for another experts layout), HF's on CPU (its gain with the hooks traced:
   docs/performance.md).
+- `experts: hf-best` and `liger` (opt-in): maintained kernel libraries as a user of HF plugs
+  them in, HF's `sonicmoe` experts and Liger Kernel: dsflow.model.hfkernels.
 - `fp8_experts` (opt-in): the sorted experts' two grouped GEMMs in FP8 (torchao's rowwise
   grouped GEMM, SM90), each expert's rows padded with zero rows to a multiple of 16 (at least 16).
 - `optimizer: fused`: dsflow's AdamW with fp32 master weights (dsflow.train.masteradam) instead of
@@ -71,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from dsflow.errors import UsageError
-from dsflow.model import float8, groupgemm
+from dsflow.model import float8, groupgemm, hfkernels
 from dsflow.params import fp8_on
 
 # HF treats any implementation name containing "flash" as a flash-attn package to import.
@@ -93,7 +95,10 @@ class Perf:
     activation_checkpointing: bool = False
     fused_grad_checks: bool = False
     compile_mode: str = "default"  # torch.compile's mode; "reduce-overhead" adds CUDA graphs
-    experts: str = "hf"  # "hf" (the model's own implementation) | "sorted" (SORTED_EXPERTS)
+    # "hf" (the model's own implementation) | "sorted" (SORTED_EXPERTS) | "sonicmoe" (HF's,
+    # dsflow.model.hfkernels) | "hf-best" (one of the last two, decided by the train stage)
+    experts: str = "hf"
+    experts_why: str = ""  # why hf-best took the one it did (dsflow.model.hfkernels)
     compile_router_hooks: bool = True  # trace the balancer's router hooks into the graphs
     # experts: auto chose sorted: keep HF's experts where sorted does not apply, not an error
     experts_fallback: bool = False
@@ -104,6 +109,7 @@ class Perf:
     fp8: str = "off"  # "off" | a dsflow.model.float8 recipe: "tensorwise" | "rowwise"
     fp8_linears: int = 0  # how many linears apply() turned into float8 ones
     fp8_experts: bool = False  # the routed experts' grouped GEMMs in FP8 (sorted experts)
+    liger: bool = False  # Liger Kernel applied as HF's Trainer does (dsflow.model.hfkernels)
 
     @property
     def hooks_traced(self) -> bool:
@@ -124,6 +130,7 @@ class Perf:
             f"step metrics {'read one step late' if self.async_metrics else 'read at once'}, "
             f"FP8 {f'{self.fp8} on {self.fp8_linears} linears' if self.fp8 != 'off' else 'off'}"
             f"{', FP8 routed experts (rowwise)' if self.fp8_experts else ''}"
+            f"{', Liger Kernel (RMSNorm, SwiGLU, fused MoE, fused cross-entropy)' if self.liger else ''}"
         )
 
 
@@ -160,6 +167,9 @@ def resolve(
     ce_chunk = pick("ce_chunk", DEFAULT_CE_CHUNK, 0)
     if precision == "fp16" and perf.get("ce_chunk", "auto") == "auto":
         ce_chunk = 0
+    liger = bool(perf.get("liger", False))
+    if liger:
+        ce_chunk = _liger_ce_chunk(perf)
     # With the router hooks traced, the sorted experts shorten the MoE step in bf16 and fp16
     # at ZeRO-0/1/2 (docs/performance.md). In fp32 they run eagerly between the compiled
     # graphs (sorted_experts_forward), unmeasured for speed, while HF's compiled fp32 experts
@@ -168,6 +178,8 @@ def resolve(
     experts_auto = perf.get("experts", "auto") == "auto"
     tested = precision in ("bf16", "fp16") and zero_stage in (0, 1, 2)
     experts = ("sorted" if cuda and tested else "hf") if experts_auto else perf["experts"]
+    if liger:
+        experts = _liger_experts(perf)
     return Perf(
         compile=compile_,
         attention=attention,
@@ -178,6 +190,7 @@ def resolve(
         compile_mode=perf.get("compile_mode", "default"),
         experts=experts,
         experts_fallback=experts_auto and experts == "sorted",
+        liger=liger,
         compile_router_hooks=bool(perf.get("compile_router_hooks", True)),
         optimizer=optimizer_choice(
             perf, zero_stage, precision, optimizer_offload, cuda, world, user_config
@@ -186,6 +199,27 @@ def resolve(
         fp8=fp8_choice(perf, zero_stage, precision),
         fp8_experts=bool(perf.get("fp8_experts")) and fp8_allowed(perf, zero_stage, precision),
     )
+
+
+def _liger_ce_chunk(perf: dict) -> int:
+    """With Liger Kernel, its fused lm_head + cross-entropy in HF's forward, not dsflow's."""
+    if perf.get("ce_chunk", "auto") not in ("auto", 0):
+        raise UsageError(
+            "train.perf.liger: true brings Liger's fused lm_head + cross-entropy; "
+            "set train.perf.ce_chunk: auto or 0"
+        )
+    return 0
+
+
+def _liger_experts(perf: dict) -> str:
+    """With Liger Kernel, its fused MoE replaces the routed experts' forward: HF's stay below
+    it, and dsflow's sorted experts would never run."""
+    if perf.get("experts", "auto") == "sorted":
+        raise UsageError(
+            "train.perf.liger: true replaces the routed experts with Liger's fused MoE; "
+            "set train.perf.experts: auto or hf"
+        )
+    return "hf"
 
 
 def fp8_choice(perf: dict, zero_stage: int, precision: str) -> str:
@@ -542,7 +576,12 @@ def use_experts(
     Where the sorted experts do not apply, `fallback` keeps HF's, else a UsageError says why.
     Their grouped GEMMs are chosen by the GPU they train on (`device`, None: the model's), or
     by `capability` where given (the tests fake a GPU's): :func:`grouped_gemm`."""
-    if experts == "hf" or not getattr(model.config, "n_routed_experts", 0):
+    if not getattr(model.config, "n_routed_experts", 0):
+        return "hf"
+    if experts == "sonicmoe":
+        hfkernels.use_sonicmoe(model)
+        return "sonicmoe"
+    if experts != "sorted":  # "hf", and an undecided "hf-best": HF's default
         return "hf"
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -674,6 +713,8 @@ def apply(model: Any, perf: Perf, balancer: Any = None, device: Any = None) -> P
     `perf` as applied: `experts` is HF's where `auto`'s sorted experts did not apply."""
     use_attention(model, perf.attention)
     experts = use_experts(model, perf.experts, perf.experts_fallback, device)
+    if perf.liger:
+        hfkernels.use_liger(model)
     perf = dataclasses.replace(perf, experts=experts, experts_fallback=False)
     if perf.fp8_experts:
         use_fp8_experts(model, experts, device)

@@ -158,9 +158,21 @@ class TrainingLM(torch.nn.Module):
     loss; `last_losses` then holds the step's [main, L_1, ..., L_D], detached, for the logs.
     `mtp_weight` is train.mtp.weight: a number or its two phases over `steps` optimizer steps
     (`step_begins` picks the step's).
+
+    `hf_loss`: the loss is the HF model's output, its forward given the targets as
+    `shift_labels`, as HF's Trainer gets it; for Liger Kernel (train.perf.liger), whose fused
+    lm_head + cross-entropy replaces that forward (stock HF's computes no loss from
+    `shift_labels` alone).
     """
 
-    def __init__(self, hf, ce_chunk: int = 0, mtp_weight: float | dict = 0.3, steps: int = 1):
+    def __init__(
+        self,
+        hf,
+        ce_chunk: int = 0,
+        mtp_weight: float | dict = 0.3,
+        steps: int = 1,
+        hf_loss: bool = False,
+    ):
         super().__init__()
         self.model = hf.model
         self.lm_head = hf.lm_head
@@ -169,6 +181,7 @@ class TrainingLM(torch.nn.Module):
         self.mtp_weight = self._mtp_weight_at(1)
         self.last_losses: torch.Tensor | None = None
         self.ce_chunk = int(ce_chunk)
+        self.hf_loss = hf_loss
         self.loss_scale: Callable[[], float] | None = None
         object.__setattr__(self, "hf", hf)  # not a submodule: no second name for each weight
 
@@ -182,6 +195,11 @@ class TrainingLM(torch.nn.Module):
         if targets is None:
             return self.hf(input_ids=input_ids, **kwargs)
         inputs = input_ids
+        if self.hf_loss:
+            # HF's losses view the labels flat: the windows' targets are a strided slice.
+            labels = targets.contiguous()
+            with unpacked_windows():
+                return self.hf(input_ids=inputs, shift_labels=labels, use_cache=False).loss
         if not self.ce_chunk and self.mtp is None:
             with unpacked_windows():
                 return mean_loss(self.hf, inputs, targets)

@@ -93,7 +93,9 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
     if spec.zero3 and balancer.routers:
         _gather_moe_blocks_whole(model)
     mtp_weight = spec.mtp.get("weight", 0.3)
-    trainee = TrainingLM(model, ce_chunk=perf.ce_chunk, mtp_weight=mtp_weight, steps=spec.steps)
+    trainee = TrainingLM(
+        model, ce_chunk=perf.ce_chunk, mtp_weight=mtp_weight, steps=spec.steps, hf_loss=perf.liger
+    )
     trainee = _universal(trainee)
     trainable = [p for p in trainee.parameters() if p.requires_grad]
     optimizer = _fused_optimizer(trainee, trainable, spec) if perf.optimizer == "fused" else None

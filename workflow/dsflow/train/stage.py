@@ -36,7 +36,7 @@ from dsflow import checks, dsconfig, launch, machine
 from dsflow.atomic import write_json
 from dsflow.data.shards import load_index
 from dsflow.errors import UsageError
-from dsflow.model import fastpaths, float8, lora, presets, source
+from dsflow.model import fastpaths, float8, hfkernels, lora, presets, source
 from dsflow.model.build import check_mtp, check_vocab_fits, load_checkpoint_config
 from dsflow.params import deep_merge, one_line
 from dsflow.paths import CHECKPOINTS, SHARDS, TOKENIZER
@@ -134,6 +134,11 @@ def resolve_run(params: dict) -> dict:
         world=world,
         user_config=bool(train["ds_config"]),
     )
+    if perf.experts == "hf-best":
+        perf = hfkernels.pick_experts(perf, machine.gpus() if device == "cuda" else [])
+        log.info(hfkernels.experts_line(perf, device))
+    if perf.liger:
+        hfkernels.check_liger(config.model_type, params["model"].get("mtp_depth", 0))
     if perf.fp8 != "off" and device == "cuda":
         float8.check_gpus(perf.fp8, machine.gpus())
     if perf.fp8_experts:
