@@ -40,11 +40,12 @@ BACKWARD_SHARE = 2 / 3  # of a micro-step's FLOPs: backward w.r.t. inputs and we
 # the last bucket of a backward is reduced after it, so its transfer is exposed every time;
 # it may take TAIL_SHARE of a micro-step's compute. Never below BUCKET_FLOOR (40M elements, as
 # Megatron-LM's default: smaller messages lose bandwidth, more so through host memory) nor
-# above DeepSpeed's own default; on one rank nothing is reduced, and ONE_RANK_BUCKET stays.
+# above ONE_RANK_BUCKET, the fixed size a rank that reduces nothing keeps: ZeRO-2 holds two
+# buckets per GPU, so a large model's long micro-steps must not buy a short tail with gigabytes.
 TAIL_SHARE = 0.02
 BUCKET_FLOOR = 40_000_000
-BUCKET_CEILING = 500_000_000
 ONE_RANK_BUCKET = 200_000_000
+BUCKET_CEILING = ONE_RANK_BUCKET
 
 
 @dataclass(frozen=True)
