@@ -448,8 +448,9 @@ def mtp_activations(
 ) -> int:
     """Bytes autograd keeps for `depth` multi-token-prediction depths (dsflow.model.mtp), from
     the (dense, MoE) decoder-layer bytes per token of eager layers: an MTP layer is neither
-    compiled (fastpaths compiles model.layers) nor checkpointed (it is no HF decoder layer),
-    and never under LoRA (the train stage refuses it). Depth k, on seq_len - k positions: its
+    compiled (fastpaths compiles model.layers) nor checkpointed (it is no HF decoder layer);
+    under LoRA it keeps what it keeps in a full fine-tune, its adapters' rank outputs counted
+    with the main layers' (dsflow.model.lora.counts). Depth k, on seq_len - k positions: its
     layer, enorm and hnorm, eh_proj's 2H-wide input, and its head: shared_head.norm, then the
     lm_head's input, fp32 logits and the targets' int64 copy, or the fused loss's gradients."""
     d = presets._dims(config)
