@@ -1,5 +1,5 @@
 """What autograd keeps for backward, against the planner's count (CPU, no GPU), and the planner
-replayed on the GPU launches of docs/performance.md.
+replayed on the GPU launches whose peaks docs/log.md records.
 
 `saved` (the default): all-dense models of the `medium` preset's shape at each `--widths`
 (2 layers, 2 x 256 tokens, bf16, every fast path), eager and compiled, bf16 and each
@@ -9,7 +9,8 @@ and dtype, the tensors each run keeps unlike the run before it: how compiled_uns
 fp8_unsaved were read off. tests/test_plan.py holds the planner against the same count.
 
 `replay`: the planner's reserved peak (its total without the fixed CUDA context) for the runs of
-performance.md's planner-accuracy table, as this checkout counts them.
+the planner-accuracy table (docs/log.md's full one; docs/performance.md keeps five of its
+rows), as this checkout counts them.
 
     python bench/saved_activations.py saved --widths 1024,2048,4096 --recipes tensorwise,rowwise
     python bench/saved_activations.py replay
@@ -129,7 +130,7 @@ def run_saved(args: argparse.Namespace) -> None:
                 previous = saved
 
 
-# The runs of performance.md's planner-accuracy table: (row, preset, overrides, vocabulary,
+# The runs of the planner-accuracy table (docs/log.md): (row, preset, overrides, vocabulary,
 # seq, micro, ZeRO stage, train.lora targets or None); the bench's configs where they ran there.
 DENSE = {"first_k_dense_replace": 16}
 LORA = ["attention", "dense_mlp", "shared_experts"]
