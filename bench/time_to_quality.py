@@ -210,6 +210,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    tt.stop_the_stage_on_sigterm()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     floor, per_token = entropy_floor(), bytes_per_token()

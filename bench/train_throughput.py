@@ -88,6 +88,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -400,6 +401,17 @@ def wait_or_stop(proc: subprocess.Popen, until=None, poll_s: float = 1.0) -> boo
         if proc.poll() is None:
             proc.terminate()
             proc.wait()
+
+
+def stop_the_stage_on_sigterm() -> None:
+    """A SIGTERM (`timeout`, a scheduler's kill) ends the bench as Ctrl-C does, through
+    wait_or_stop's clean-up, so the train stage it started stops too instead of running on
+    and holding checkpoints/ against the next run."""
+
+    def leave(signum, _frame):
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 def _holds(until) -> bool:
@@ -814,6 +826,7 @@ def print_verdicts(results: dict, rows: list) -> bool:
 
 def main() -> int:
     args = parse_args()
+    stop_the_stage_on_sigterm()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for vname in args.variants.split(","):

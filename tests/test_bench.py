@@ -641,3 +641,40 @@ def test_a_failed_stage_leaves_its_whole_log_in_the_output(bench, tmp_path, monk
     assert "dense-x: train stage failed" in out and "dsflow train: error" in out.split("errors:")[1]
     lines = ["[rank0]: Traceback", "[rank0]: torch.OutOfMemoryError: CUDA out of memory", "x"]
     assert bench.rank_errors(lines) == [lines[1]]
+
+
+def test_a_sigterm_to_the_bench_stops_the_stage_it_started(tmp_path):
+    """`timeout` or a scheduler ends the bench with SIGTERM: the stage it waits on (here a
+    sleeping child) is stopped with it, not left running to hold checkpoints/."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "bench_waits.py"
+    script.write_text(
+        "import importlib.util, subprocess, sys\n"
+        f"spec = importlib.util.spec_from_file_location('tt', {str(ROOT / 'bench/train_throughput.py')!r})\n"
+        "tt = importlib.util.module_from_spec(spec); spec.loader.exec_module(tt)\n"
+        "tt.stop_the_stage_on_sigterm()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "print(child.pid, flush=True)\n"
+        "tt.wait_or_stop(child, poll_s=0.05)\n"
+    )
+    bench_proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=os.environ
+    )
+    child = int(bench_proc.stdout.readline())
+    bench_proc.send_signal(signal.SIGTERM)
+    assert bench_proc.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)  # still there (or a zombie not yet reaped by init)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{child}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"the stage (pid {child}) outlived the bench")
