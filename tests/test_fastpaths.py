@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import tiny_v2
 from dsflow.data.shards import BatchLoader, ShardReader
 from dsflow.errors import UsageError
-from dsflow.model import fastpaths
+from dsflow.model import fastpaths, mtp
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.build import build_model
 from dsflow.model.loss import TrainingLM, linear_cross_entropy, mean_loss
@@ -316,25 +316,31 @@ def test_training_module_is_the_hf_model_with_a_loss_forward(family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "family,dtype",
+    "family,dtype,depth",
     [
-        ("deepseek_v3", torch.bfloat16),
-        ("deepseek_v3", torch.float32),
-        ("deepseek_v2", torch.bfloat16),
-        ("deepseek_v2", torch.float32),
+        ("deepseek_v3", torch.bfloat16, 0),
+        ("deepseek_v3", torch.float32, 0),
+        ("deepseek_v2", torch.bfloat16, 0),
+        ("deepseek_v2", torch.float32, 0),
+        ("deepseek_v3", torch.bfloat16, 1),
     ],
-    ids=["v3-bf16", "v3-fp32", "v2-bf16", "v2-fp32"],
+    ids=["v3-bf16", "v3-fp32", "v2-bf16", "v2-fp32", "v3-bf16-mtp1"],
 )
-def test_compiled_layers_train_like_eager_layers(family, dtype):
+def test_compiled_layers_train_like_eager_layers(family, dtype, depth):
     """torch.compile of every decoder layer, the balancer's router hook traced into it and the
     sorted experts: same loss, gradients, expert counts and sequence-wise aux loss as eager
     with HF's experts. In bf16 (the GPU's default) one graph per layer, no graph break; in
     other dtypes the sorted experts run eagerly between the graphs, and only they (dynamo in
-    torch 2.11 on an H200 zeroed their fp32 gradients; see fastpaths.sorted_experts_forward)."""
+    torch 2.11 on an H200 zeroed their fp32 gradients; see fastpaths.sorted_experts_forward).
+    A multi-token prediction depth compiles as one more graph, its MoE layer's router balanced
+    as the others."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     eager = tiny(family, moe_intermediate_size=16).to(dtype)  # grouped_mm: 16-byte strides
+    if depth:
+        mtp.attach(eager, depth)
+        eager.to(dtype)
     eager.set_experts_implementation("grouped_mm")  # the reference on the GPU
     compiled = copy.deepcopy(eager)
     inputs, targets = batch()
@@ -353,6 +359,8 @@ def test_compiled_layers_train_like_eager_layers(family, dtype):
         balancer = family_balancer(model)
         fastpaths.apply(model, perf, balancer)
         trainee = TrainingLM(model, ce_chunk=perf.ce_chunk)
+        if depth:
+            assert model.mtp is not None and len(balancer.routers) == 4  # 3 MoE layers + MTP's
         for _ in range(2):  # the second call runs the cached graphs
             model.zero_grad(set_to_none=True)
             aux = None
@@ -365,8 +373,8 @@ def test_compiled_layers_train_like_eager_layers(family, dtype):
         assert not breaks, breaks
         # One graph per layer kind, shared by its layers (the tiny preset: 1 dense + 3 MoE),
         # and the final norm's: a per-layer constant in the hooks would compile each MoE
-        # layer anew.
-        assert counters["stats"]["unique_graphs"] == 3
+        # layer anew. An MTP depth is a layer kind of its own.
+        assert counters["stats"]["unique_graphs"] == 3 + depth
     else:
         assert breaks and all("_sorted_experts" in reason for reason in breaks), breaks
     assert compiled.config._experts_implementation == fastpaths.SORTED_EXPERTS

@@ -338,10 +338,13 @@ def use_attention(model: Any, attention: str) -> None:
 
 
 def compile_layers(model: Any, mode: str = "default") -> None:
-    """torch.compile each decoder layer and the final norm in place (parameter names unchanged)."""
+    """torch.compile each decoder layer, each multi-token prediction depth (`model.mtp`, a
+    decoder layer behind its norms and projection) and the final norm in place (parameter
+    names unchanged)."""
     import torch._dynamo
 
-    layers = model.model.layers
+    mtp = getattr(model, "mtp", None)
+    layers = [*model.model.layers, *(mtp.layers.values() if mtp is not None else ())]
     # Every layer is its own module object: leave room for one cache entry per layer and mode
     # (train forward, no-grad validation) before dynamo would fall back to eager.
     limit = 4 * (len(layers) + 2)

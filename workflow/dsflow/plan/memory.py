@@ -447,8 +447,9 @@ def mtp_activations(
     ce_chunk: int,
 ) -> int:
     """Bytes autograd keeps for `depth` multi-token-prediction depths (dsflow.model.mtp), from
-    the (dense, MoE) decoder-layer bytes per token of eager layers: an MTP layer is neither
-    compiled (fastpaths compiles model.layers) nor checkpointed (it is no HF decoder layer);
+    the (dense, MoE) decoder-layer bytes per token of eager layers: an MTP layer is not
+    checkpointed (it is no HF decoder layer), and its compiled graph (fastpaths.compile_layers)
+    is counted as eager, an upper bound (compiled layers keep about a quarter less);
     under LoRA it keeps what it keeps in a full fine-tune, its adapters' rank outputs counted
     with the main layers' (dsflow.model.lora.counts). Depth k, on seq_len - k positions: its
     layer, enorm and hnorm, eh_proj's 2H-wide input, and its head: shared_head.norm, then the
