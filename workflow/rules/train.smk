@@ -8,6 +8,7 @@ rule train:
         code(
             "data/shards.py",
             "model",
+            "plan/comm.py",
             "plan/layouts.py",
             "plan/memory.py",
             "plan/request.py",
@@ -52,6 +53,7 @@ rule plan:
             "model/flops.py",
             "model/fp8.py",
             "model/groupgemm.py",
+            "model/hfkernels.py",
             "model/lora.py",
             "model/mtp.py",
             "model/presets.py",
