@@ -652,19 +652,25 @@ def test_a_sigterm_to_the_bench_stops_the_stage_it_started(tmp_path):
     import time
 
     script = tmp_path / "bench_waits.py"
+    waiting = tmp_path / "waiting"
+    # `until` marks that the bench polls inside wait_or_stop: the signal comes after that.
     script.write_text(
-        "import importlib.util, subprocess, sys\n"
+        "import importlib.util, pathlib, subprocess, sys\n"
         f"spec = importlib.util.spec_from_file_location('tt', {str(ROOT / 'bench/train_throughput.py')!r})\n"
         "tt = importlib.util.module_from_spec(spec); spec.loader.exec_module(tt)\n"
         "tt.stop_the_stage_on_sigterm()\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
         "print(child.pid, flush=True)\n"
-        "tt.wait_or_stop(child, poll_s=0.05)\n"
+        f"mark = pathlib.Path({str(waiting)!r})\n"
+        "tt.wait_or_stop(child, until=lambda: mark.touch() and False, poll_s=0.05)\n"
     )
     bench_proc = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=os.environ
     )
     child = int(bench_proc.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not waiting.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     bench_proc.send_signal(signal.SIGTERM)
     assert bench_proc.wait(timeout=60) == 128 + signal.SIGTERM
     deadline = time.monotonic() + 30

@@ -58,6 +58,9 @@ def test_auto_buckets_take_a_fiftieth_of_a_micro_step_on_the_link():
     assert comm.reduce_bucket(3, 10.0) == comm.BUCKET_CEILING
     assert comm.reduce_bucket(2, 0.5) == 120_000_000  # 2 ranks send half the buffer each
     assert comm.reduce_bucket(1, 1.0) == comm.ONE_RANK_BUCKET
+    # fp32 runs reduce fp32 gradients: half the elements in the same time.
+    assert comm.reduce_bucket(3, 1.0, element_bytes=4) == 90_000_000
+    assert comm.bytes_per_step(P, 3, 1, 4, element_bytes=4) == pytest.approx(2 * 2 / 3 * 4 * GB)
     seconds = comm.TAIL_SHARE * 1.0
     bucket = comm.reduce_bucket(3, 1.0)
     assert 2 / 3 * 2 * bucket / (comm.PCIE_GBPS * 1e9) == pytest.approx(seconds)

@@ -75,3 +75,21 @@ def test_the_plan_chooses_the_reduce_buckets_and_the_train_stage_takes_its_choic
     assert fixed.bucket_sizes[0] == 200_000_000
     assert train_stage.with_planned_bucket(params, layouts.assess(fixed)) is params
     assert layouts.assess(fixed)["estimate"]["gpu"]["total"] > plan["estimate"]["gpu"]["total"]
+
+
+def test_a_larger_micro_batch_is_planned_with_its_own_auto_bucket():
+    """The auto bucket grows with the micro-step: the micro batch the plan offers is estimated
+    with the bucket the train stage would choose for it, not the current one's."""
+    import dataclasses
+
+    from dsflow.plan import comm
+
+    req = _request(4, 4, 40)
+    assert req.bucket_auto
+
+    def fits(est):
+        return layouts.verdict(est, req.gpu_mem_bytes)[0]
+
+    micro, accum, est = batch.largest_micro(req.config, req, fits)
+    offered = dataclasses.replace(req, micro_batch=micro, grad_accum=accum)
+    assert est["inputs"]["bucket_sizes"][0] == comm.bucket_for(offered) > req.bucket_sizes[0]

@@ -95,6 +95,9 @@ def test_ds_config_generation_and_user_merge(tmp_path):
     merged = dsconfig.merge_user(cfg, user)
     assert merged["zero_optimization"]["reduce_bucket_size"] == 5
     assert merged["zero_optimization"]["stage"] == 2
+    # "auto" in the file (HF's "fill it in") keeps the bucket dsflow built and planned for.
+    user.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": "auto"}}))
+    assert dsconfig.merge_user(cfg, user)["zero_optimization"]["reduce_bucket_size"] == 40_000_000
     user.write_text(json.dumps({"train_batch_size": 64}))
     with pytest.raises(UsageError, match="train_batch_size 64 differs from params.yaml's 24"):
         dsconfig.merge_user(cfg, user)

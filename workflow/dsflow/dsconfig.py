@@ -276,6 +276,17 @@ def layout(train: dict) -> str:
     return " + ".join(parts)
 
 
+def _fill_auto(user: dict, cfg: dict) -> None:
+    """A user file's "auto" in zero_optimization (HF's convention: "fill this in") takes the
+    value dsflow built, which the memory plan counted; DeepSpeed would drop it for its own
+    default (a 500M-element reduce bucket where the plan may hold 40M)."""
+    built = cfg.get("zero_optimization", {})
+    zero = user.get("zero_optimization", {})
+    for key, value in list(zero.items()):
+        if value == "auto" and key in built:
+            zero[key] = built[key]
+
+
 # Keys whose values dsflow derives from params.yaml: a user file may not silently change them.
 DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -305,6 +316,7 @@ def merge_user(cfg: dict, path: str | Path) -> dict:
         if key in user and not isinstance(user[key], dict):
             raise UsageError(f"{path}: {key} must be a JSON object, got {_show(user[key])}")
     check_own_batch(user, cfg, path)
+    _fill_auto(user, cfg)
     for key in DERIVED:
         if key in user and user[key] != cfg[key] and user[key] != "auto":
             raise UsageError(

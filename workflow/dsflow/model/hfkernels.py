@@ -109,13 +109,19 @@ def liger_refusal(model_type: str) -> str | None:
     return None
 
 
-def check_liger(model_type: str, mtp_depth: int) -> None:
+def check_liger(model_type: str, mtp_depth: int, precision: str = "bf16") -> None:
     """`train.perf.liger: true` for this model, or one line why not. Liger's fused
     cross-entropy is in HF's forward, which the multi-token prediction loss does not go
-    through."""
+    through; it forms its gradients in the forward at unit scale, where fp16's dynamic loss
+    scale cannot reach them (per-token gradients of about p / N fall below fp16's range)."""
     why = liger_refusal(model_type)
     if why is None and mtp_depth:
         why = "computes the loss in HF's forward, which model.mtp_depth's losses do not use"
+    if why is None and precision == "fp16":
+        why = (
+            "forms its loss gradients in the forward, unscaled, where fp16 underflows them "
+            "(train.perf.ce_chunk scales them by the loss scale, or train.precision: bf16)"
+        )
     if why:
         raise UsageError(f"train.perf.liger: true {why}; set train.perf.liger: false")
 

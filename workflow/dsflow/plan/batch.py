@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dsflow.plan import memory
+from dsflow.plan import memory, request
 
 
 def largest_micro(
@@ -29,6 +29,7 @@ def largest_micro(
         if per_rank % micro:
             continue
         trial = dataclasses.replace(setup, micro_batch=micro, grad_accum=per_rank // micro)
+        trial = request.rebucketed(trial)
         est = memory.estimate(config, trial)
         if fits(est):
             best = (micro, per_rank // micro, est)

@@ -61,11 +61,14 @@ class Traffic:
         return self.exposed_s / (self.compute_s + self.exposed_s)
 
 
-def bytes_per_step(params: int, world: int, zero_stage: int, accum: int) -> float:
-    """Bytes each rank sends in one step (module docstring)."""
+def bytes_per_step(
+    params: int, world: int, zero_stage: int, accum: int, element_bytes: int = 2
+) -> float:
+    """Bytes each rank sends in one step (module docstring; `element_bytes` 4 for fp32 runs,
+    whose gradients DeepSpeed reduces in fp32)."""
     if world <= 1:
         return 0.0
-    ring = (world - 1) / world * 2 * params  # one collective over the 16-bit buffer
+    ring = (world - 1) / world * element_bytes * params  # one collective over the buffer
     if zero_stage in (0, 1):
         return 2 * ring
     if zero_stage == 2:
@@ -73,13 +76,15 @@ def bytes_per_step(params: int, world: int, zero_stage: int, accum: int) -> floa
     return 3 * accum * ring
 
 
-def reduce_bucket(world: int, micro_compute_s: float, gbps: float = PCIE_GBPS) -> int:
+def reduce_bucket(
+    world: int, micro_compute_s: float, gbps: float = PCIE_GBPS, element_bytes: int = 2
+) -> int:
     """The reduce bucket (elements) whose transfer takes TAIL_SHARE of a micro-step's compute
     (`micro_compute_s`) over the link, within BUCKET_FLOOR..BUCKET_CEILING, in millions."""
     if world <= 1:
         return ONE_RANK_BUCKET
     seconds = TAIL_SHARE * micro_compute_s
-    elements = seconds * gbps * 1e9 / ((world - 1) / world * 2)
+    elements = seconds * gbps * 1e9 / ((world - 1) / world * element_bytes)
     return int(min(max(round(elements / 1e6) * 1_000_000, BUCKET_FLOOR), BUCKET_CEILING))
 
 
@@ -100,12 +105,14 @@ def step_traffic(
     gbps: float = PCIE_GBPS,
     mfu: float = ASSUMED_MFU,
     bucket: int = ONE_RANK_BUCKET,
+    element_bytes: int = 2,
 ) -> Traffic:
     """A step's communication against its compute on one rank: `step_flops` are one rank's
     FLOPs in a step (all micro-steps), `peak_flops` its GPU's datasheet peak, `bucket` the
     reduce bucket in elements (train.zero.reduce_bucket_size)."""
-    sent = bytes_per_step(params, world, zero_stage, accum)
-    ring = 0.0 if world <= 1 else (world - 1) / world * 2 * params / (gbps * 1e9)  # seconds
+    sent = bytes_per_step(params, world, zero_stage, accum, element_bytes)
+    # One ring collective over the gradients (or weights), in seconds.
+    ring = 0.0 if world <= 1 else (world - 1) / world * element_bytes * params / (gbps * 1e9)
     compute = step_flops / (peak_flops * mfu)
     micro = compute / accum
     backward = BACKWARD_SHARE * micro
@@ -144,13 +151,22 @@ def accumulation_that_hides(
     gbps: float = PCIE_GBPS,
     most: int = 64,
     bucket: int = ONE_RANK_BUCKET,
+    element_bytes: int = 2,
 ) -> int | None:
     """The smallest accumulation at which, at this micro batch (`micro_flops`: one micro-step
     on one rank), the step waits on the link for at most `share` of its time; None when none
     up to `most` does (ZeRO-2 and ZeRO-3 pay again in every micro-step)."""
     for accum in range(1, most + 1):
         traffic = step_traffic(
-            params, world, zero_stage, accum, micro_flops * accum, peak_flops, gbps, bucket=bucket
+            params,
+            world,
+            zero_stage,
+            accum,
+            micro_flops * accum,
+            peak_flops,
+            gbps,
+            bucket=bucket,
+            element_bytes=element_bytes,
         )
         if traffic.share <= share:
             return accum
@@ -183,36 +199,48 @@ def _on_paper(req: Any) -> tuple[int, float, float, str]:
     return trained, step_flops, peak, "the GPU's" if name else "an RTX 4090's"
 
 
+def _element_bytes(req: Any) -> int:
+    """Bytes of a reduced gradient element: DeepSpeed reduces fp32 runs' gradients in fp32."""
+    return 4 if req.precision == "fp32" else 2
+
+
 def bucket_for(req: Any) -> int:
     """The reduce bucket (elements) `train.zero.reduce_bucket_size: auto` takes for a request:
     :func:`reduce_bucket` at its micro-step's compute; ONE_RANK_BUCKET on one rank or CPU."""
     if req.device != "cuda" or req.world <= 1:
         return ONE_RANK_BUCKET
     _, step_flops, peak, _ = _on_paper(req)
-    return reduce_bucket(req.world, step_flops / req.grad_accum / (peak * ASSUMED_MFU))
+    micro_s = step_flops / req.grad_accum / (peak * ASSUMED_MFU)
+    return reduce_bucket(req.world, micro_s, element_bytes=_element_bytes(req))
 
 
 def note(req: Any) -> str | None:
     """The plan's line on communication for a request on several GPUs: what its layout sends,
-    against its compute, with its reduce buckets. None on one rank or CPU."""
+    against its compute, with its reduce buckets (ZeRO-1/2: DeepSpeed's ZeRO-0 all-reduce
+    takes its own). None on one rank or CPU."""
     if req.device != "cuda" or req.world <= 1:
         return None
     trained, step_flops, peak, whose = _on_paper(req)
-    bucket = req.bucket_sizes[0]
+    bucket, eb = req.bucket_sizes[0], _element_bytes(req)
+    z, accum = req.zero_stage, req.grad_accum
     traffic = step_traffic(
-        trained, req.world, req.zero_stage, req.grad_accum, step_flops, peak, bucket=bucket
+        trained, req.world, z, accum, step_flops, peak, bucket=bucket, element_bytes=eb
     )
     hides = accumulation_that_hides(
-        trained, req.world, req.zero_stage, step_flops / req.grad_accum, peak, bucket=bucket
+        trained, req.world, z, step_flops / accum, peak, bucket=bucket, element_bytes=eb
     )
+    buckets = f"; reduce buckets of {bucket / 1e6:g}M elements" if z in (1, 2) else ""
     # The card is named once, in the plan's GPU line; an unnamed one is taken as an RTX 4090.
-    return describe(traffic, req.zero_stage, req.grad_accum) + (
-        f" (peak: {whose} {peak / 1e12:g} TFLOP/s in {req.precision}; reduce buckets of "
-        f"{bucket / 1e6:g}M elements); "
+    return describe(traffic, z, accum) + (
+        f" (peak: {whose} {peak / 1e12:g} TFLOP/s in {req.precision}{buckets}); "
         + (
             f"at this micro batch, accumulation {hides} keeps the link under 10% of the step"
             if hides
-            else f"no accumulation keeps the link under 10% of the step at this micro batch "
-            f"(ZeRO-{req.zero_stage} sends in every micro-step: a larger micro batch does)"
+            else "no accumulation keeps the link under 10% of the step at this micro batch "
+            + (
+                f"(ZeRO-{z} sends in every micro-step: a larger micro batch does)"
+                if z >= 2
+                else "(a larger micro batch does)"
+            )
         )
     )

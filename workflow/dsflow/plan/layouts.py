@@ -335,7 +335,9 @@ def cheapest_fit(
     opt, par = setup.offload_optimizer, setup.offload_params
     first = (setup.zero_stage, opt, par, setup.offload_device if opt or par else "cpu")
     ladder = [
-        dataclasses.replace(base.layout(z, o, p, d), activation_checkpointing=c, micro_batch=m)
+        request.rebucketed(
+            dataclasses.replace(base.layout(z, o, p, d), activation_checkpointing=c, micro_batch=m)
+        )
         for z, o, p, d, c, m in _ladder(first, setup.activation_checkpointing, micro, nvme)
         if not (setup.no_zero3 and z == 3)
     ]
@@ -449,7 +451,7 @@ def smallest_machine(req: request.Request, est: dict) -> dict[str, Any]:
     for n, size, name in asked + [m[2:] for m in others]:
         rows = cheapest_fit(
             req.config,
-            dataclasses.replace(req, world=n),
+            request.rebucketed(dataclasses.replace(req, world=n)),
             gpu_mem_bytes=size,
             smaller_presets=False,
             checkpoints=req.checkpoints,

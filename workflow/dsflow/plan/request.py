@@ -100,6 +100,8 @@ class Request(memory.Setup):
     # model.pretrained: the checkpoint is the model, so no smaller preset is an alternative.
     pretrained: str | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    # train.zero.reduce_bucket_size: auto: the bucket follows the micro batch and the ranks.
+    bucket_auto: bool = False
 
     def record(self) -> dict[str, Any]:
         """The request as reports/plan.json holds it (JSON types)."""
@@ -495,7 +497,15 @@ def _reduce_bucket(req: Request, zcfg: dict) -> Request:
     this model, batch and GPU (dsflow.plan.comm.bucket_for)."""
     if zcfg.get("reduce_bucket_size") != "auto":
         return req
-    return replace(req, bucket_sizes=(comm.bucket_for(req), req.bucket_sizes[1]))
+    return rebucketed(replace(req, bucket_auto=True))
+
+
+def rebucketed(setup: Any) -> Any:
+    """`setup` with its reduce bucket chosen again where it is `auto` (a Request whose micro
+    batch, ranks or layout the planner varies); any other setup as it is."""
+    if not getattr(setup, "bucket_auto", False):
+        return setup
+    return replace(setup, bucket_sizes=(comm.bucket_for(setup), setup.bucket_sizes[1]))
 
 
 def resolve(

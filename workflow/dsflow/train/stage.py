@@ -138,7 +138,9 @@ def resolve_run(params: dict) -> dict:
         perf = hfkernels.pick_experts(perf, machine.gpus() if device == "cuda" else [])
         log.info(hfkernels.experts_line(perf, device))
     if perf.liger:
-        hfkernels.check_liger(config.model_type, params["model"].get("mtp_depth", 0))
+        hfkernels.check_liger(
+            config.model_type, params["model"].get("mtp_depth", 0), train["precision"]
+        )
     if perf.fp8 != "off" and device == "cuda":
         float8.check_gpus(perf.fp8, machine.gpus())
     if perf.fp8_experts:
