@@ -194,6 +194,12 @@ def dsflow(*args: str, cwd: Path, check: bool = True, **kw) -> subprocess.Comple
     return run([sys.executable, "-m", "dsflow", *args], cwd=cwd, check=check, **kw)
 
 
+def losses(repo: Path, name: str = "train/loss") -> dict[int, float]:
+    """step -> the value dvclive logged for metric `name` (train/loss, val/loss, ...)."""
+    rows = (repo / f"dvclive/plots/metrics/{name}.tsv").read_text().splitlines()[1:]
+    return {int(r.split("\t")[0]): float(r.split("\t")[1]) for r in rows}
+
+
 def rewound_copy(run_dir: Path, dest: Path, step: int) -> Path:
     """A copy of the finished train run in `run_dir` as a run stopped after its checkpoint of
     `step` leaves it: the later checkpoints gone, `latest` on that one, loss.tsv cut after

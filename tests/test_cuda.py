@@ -10,10 +10,10 @@ import json
 import math
 
 import pytest
-from test_train import losses, trained_copy
+from test_train import trained_copy
 
 import conftest
-from conftest import requires_cuda
+from conftest import losses, requires_cuda
 
 ON_GPU = {
     "train": {

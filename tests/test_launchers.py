@@ -6,16 +6,11 @@ import shutil
 
 import pytest
 
-from conftest import dsflow, tiny_run, update_params
+from conftest import dsflow, losses, tiny_run, update_params
 
 pytestmark = pytest.mark.slow
 
 RUN = tiny_run(gpus=2, steps=3)
-
-
-def curve(repo):
-    rows = (repo / "dvclive/plots/metrics/train/loss.tsv").read_text().splitlines()[1:]
-    return [float(r.split("\t")[1]) for r in rows]
 
 
 def test_deepspeed_launcher_matches_torchrun(prepared, tmp_path):
@@ -26,6 +21,6 @@ def test_deepspeed_launcher_matches_torchrun(prepared, tmp_path):
         update_params(repo, RUN)
         update_params(repo, {"train": {"launcher": launcher}})
         dsflow("train", cwd=repo, timeout=600)
-        curves[launcher] = curve(repo)
+        curves[launcher] = losses(repo)
     assert len(curves["torchrun"]) == 3
     assert curves["deepspeed"] == pytest.approx(curves["torchrun"], rel=1e-6)

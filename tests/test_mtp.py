@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, dsflow, rewound_copy, tiny_v2, update_params
+from conftest import ROOT, dsflow, losses, rewound_copy, tiny_v2, update_params
 from dsflow.errors import UsageError
 from dsflow.model import mtp
 from dsflow.model.build import build_model, check_mtp, save_hf
@@ -399,11 +399,6 @@ RUN = {
 }
 
 
-def tsv(repo, name):
-    rows = (repo / f"dvclive/plots/metrics/{name}.tsv").read_text().splitlines()[1:]
-    return {int(r.split("\t")[0]): float(r.split("\t")[1]) for r in rows}
-
-
 @pytest.mark.slow
 def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -418,15 +413,15 @@ def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared
     update_params(full, RUN)
     dsflow("train", cwd=full, timeout=900)
     metrics = json.loads((full / "metrics/train.json").read_text())
-    depth1 = tsv(full, "train/mtp_loss_1")
+    depth1 = losses(full, "train/mtp_loss_1")
     assert sorted(depth1) == list(range(1, 7)) and metrics["mtp_loss_1"] == depth1[6]
     assert all(v > 0 for v in depth1.values())
 
     resumed = rewound_copy(full, tmp_path / "resumed", 3)
     proc = dsflow("train", cwd=resumed, timeout=900)
     assert "resumed from step 3" in proc.stderr
-    assert tsv(resumed, "train/loss") == tsv(full, "train/loss")
-    assert tsv(resumed, "train/mtp_loss_1") == depth1
+    assert losses(resumed, "train/loss") == losses(full, "train/loss")
+    assert losses(resumed, "train/mtp_loss_1") == depth1
     assert (
         json.loads((resumed / "metrics/train.json").read_text())["val_loss"]
         == (metrics["val_loss"])
@@ -487,7 +482,7 @@ def test_zero3_trains_the_mtp_modules_and_gathers_them_for_models_final(prepared
     update_params(repo, RUN)
     update_params(repo, {"train": {"zero_stage": 3, "max_steps": 4, "checkpoint_every": 4}})
     dsflow("train", cwd=repo, timeout=900)
-    depth1 = tsv(repo, "train/mtp_loss_1")
+    depth1 = losses(repo, "train/mtp_loss_1")
     assert sorted(depth1) == [1, 2, 3, 4] and depth1[4] < depth1[1]
     final = repo / "models/final"
     index = json.loads((final / "model.safetensors.index.json").read_text())["weight_map"]

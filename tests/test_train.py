@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import dsflow, rewound_copy, update_params
+from conftest import dsflow, losses, rewound_copy, update_params
 
 pytestmark = pytest.mark.slow
 
@@ -46,11 +46,6 @@ def trained_copy(prepared, dest, overlay=None, env=None, check=True):
     if overlay:
         update_params(repo, overlay)
     return dsflow("train", cwd=repo, env=env or {}, check=check, timeout=900)
-
-
-def losses(repo, name="train/loss"):
-    rows = (repo / f"dvclive/plots/metrics/{name}.tsv").read_text().splitlines()[1:]
-    return {int(r.split("\t")[0]): float(r.split("\t")[1]) for r in rows}
 
 
 @pytest.fixture(scope="module")
