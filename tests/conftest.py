@@ -1,4 +1,5 @@
-"""Shared fixtures: a throwaway copy of the project, and small params for fast stage runs."""
+"""Shared fixtures: a throwaway copy of the project, the params overlays for fast stage runs,
+and the prepared project the stage tests copy."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ requires_cuda = pytest.mark.skipif(
     not _has_cuda(), reason="needs a CUDA GPU (pytest -m cuda on the GPU host)"
 )
 needs_cuda = [pytest.mark.cuda, requires_cuda]
+
+# --------------------------------------------------------------------------- params overlays
+# The tests' params are built from these, so that a run's shape is read in one place.
 
 # Small enough for a 2-core CI box, big enough for BPE merges and both splits.
 SMALL_PARAMS = {

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import SMALL_PARAMS, copy_project, run, update_params
+from conftest import SMALL_PARAMS, copy_project, run, tiny_run, update_params
 
 pytestmark = pytest.mark.slow
 
@@ -117,20 +117,7 @@ def test_overlay_reaches_the_stage_through_snakemake(tmp_path):
     shutil.rmtree(repo / "data/raw")
 
 
-TINY_TRAIN = {
-    "model": {"preset": "tiny"},
-    "train": {
-        "device": "cpu",
-        "gpus": 2,
-        "precision": "fp32",
-        "seq_len": 64,
-        "micro_batch": 2,
-        "max_steps": 3,
-        "eval_every": 3,
-        "eval_batches": 1,
-        "checkpoint_every": 3,
-    },
-}
+TINY_TRAIN = tiny_run(2, 3, seq_len=64)
 
 
 def exp_show(repo: Path, *args: str) -> tuple[list[str], str]:

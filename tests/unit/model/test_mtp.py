@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, dsflow, losses, rewound_copy, tiny_v2, update_params
+from conftest import ROOT, dsflow, losses, rewound_copy, tiny_run, tiny_v2, update_params
 from dsflow.errors import UsageError
 from dsflow.model import mtp
 from dsflow.model.build import build_model, check_mtp, save_hf
 from dsflow.model.loss import TrainingLM, mean_loss, mtp_weight_at
 from dsflow.model.presets import model_config
+from dsflow.params import deep_merge
 
 VOCAB = 96
 SEQ = 12
@@ -381,22 +382,11 @@ def test_a_bad_depth_names_the_key():
     assert filled["train"]["mtp"] == {"weight": phases} and filled["model"]["mtp_depth"] == 0
 
 
-RUN = {
-    "model": {"preset": "tiny", "mtp_depth": 1},
-    "train": {
-        "device": "cpu",
-        "gpus": 2,
-        "precision": "fp32",
-        "seq_len": 32,
-        "micro_batch": 2,
-        "max_steps": 6,
-        "eval_every": 3,
-        "eval_batches": 1,
-        "checkpoint_every": 3,
-        "optimizer": {"lr": 0.003},
-        "schedule": {"warmup_steps": 1},
-    },
-}
+RUN = deep_merge(
+    tiny_run(2, 6, eval_every=3, checkpoint_every=3, optimizer={"lr": 0.003},
+             schedule={"warmup_steps": 1}),
+    {"model": {"mtp_depth": 1}},
+)  # fmt: skip
 
 
 @pytest.mark.slow
