@@ -72,6 +72,11 @@ def tiny_run(gpus: int, steps: int, **train) -> dict:
     }
 
 
+# The one trained run the e2e tests share (`trained`): 2 CPU ranks, ZeRO-2, the default launcher,
+# checkpoints of steps 2 and 4 kept.
+TRAINED = tiny_run(2, 4, zero_stage=2, checkpoint_every=2, eval_every=4, keep_checkpoints=2)
+
+
 # Where the tree is no git checkout (the GPU host gets a bare copy of it): what is not the
 # project's. At the top: outputs, data, carried wheels, environments (as .gitignore says, and
 # what is carried to the GPU host); anywhere: caches.
@@ -239,4 +244,14 @@ def prepared(tmp_path_factory) -> Path:
     update_params(repo, SMALL_PARAMS)
     for stage in ("pretrained", "download", "tokenizer", "tokenize", "shard"):
         dsflow(stage, cwd=repo)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def trained(prepared, tmp_path_factory) -> Path:
+    """`prepared` trained with TRAINED (read-only use, please: tests copy it to change it)."""
+    repo = tmp_path_factory.mktemp("trained") / "repo"
+    shutil.copytree(prepared, repo)
+    update_params(repo, TRAINED)
+    dsflow("train", cwd=repo, timeout=900)
     return repo
