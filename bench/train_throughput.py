@@ -89,7 +89,7 @@ from pathlib import Path
 import yaml
 
 from dsflow.model import flops
-from dsflow.model.fastpaths import DEFAULT_CE_CHUNK
+from dsflow.model.fastpaths import DEFAULT_CE_CHUNK, PLAIN
 from dsflow.model.presets import model_config
 from dsflow.params import deep_merge
 from dsflow.paths import TOKENIZER
@@ -131,16 +131,7 @@ FROM_CHECKPOINT = {"lora": {"finetune": "lora"}, "full-ft": {"finetune": "full"}
 VARIANTS = {
     "baseline": {
         "zero_stage": 2,
-        "perf": {
-            "compile": False,
-            "attention": "sdpa",
-            "ce_chunk": 0,
-            "prefetch": False,
-            "fused_grad_checks": False,
-            "experts": "hf",
-            "optimizer": "deepspeed",
-            "async_metrics": False,
-        },
+        "perf": {**PLAIN, "optimizer": "deepspeed", "async_metrics": False},
     },
     "dsflow": {},
     # one lever off (or an opt-in one on) at a time, the rest at their defaults (--variants)
