@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -254,4 +255,60 @@ def trained(prepared, tmp_path_factory) -> Path:
     shutil.copytree(prepared, repo)
     update_params(repo, TRAINED)
     dsflow("train", cwd=repo, timeout=900)
+    return repo
+
+
+# --------------------------------------------------------------------------- front-end clones
+
+# The run the front-end tests have Snakemake and DVC train from a clean checkout.
+FRONT_END_RUN = tiny_run(2, 3, seq_len=64)
+
+
+def commit_all(repo: Path, message: str) -> None:
+    run(["git", "add", "-A"], cwd=repo)
+    run(["git", "commit", "-qm", message], cwd=repo)
+
+
+def git_repo(path: Path) -> Path:
+    """`path` as a git repository with everything in it committed."""
+    run(["git", "init", "-q"], cwd=path)
+    run(["git", "config", "user.email", "ci@dsflow"], cwd=path)
+    run(["git", "config", "user.name", "ci"], cwd=path)
+    commit_all(path, "init")
+    return path
+
+
+def git_dvc_repo(path: Path) -> Path:
+    """What `git clone` gives a user (with small data params): a DVC project as it is, with no
+    `dvc init`."""
+    origin = copy_project(path.with_name(f"{path.name}-origin"))
+    update_params(origin, SMALL_PARAMS)
+    git_repo(origin)
+    run(["git", "clone", "-q", str(origin), str(path)], cwd=origin.parent)
+    run(["git", "config", "user.email", "ci@dsflow"], cwd=path)
+    run(["git", "config", "user.name", "ci"], cwd=path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def dvc_trained(tmp_path_factory) -> SimpleNamespace:
+    """A fresh clone in which `dvc repro train` ran every stage up to train (FRONT_END_RUN),
+    OMP_NUM_THREADS unset as in a user's shell: `repo`, and `stdout`, what DVC printed.
+    Read-only use, please: tests copy it to change it."""
+    repo = git_dvc_repo(tmp_path_factory.mktemp("dvc") / "repo")
+    update_params(repo, FRONT_END_RUN)
+    unset = ["env", "-u", "OMP_NUM_THREADS", "-u", "MKL_NUM_THREADS"]
+    out = run([*unset, "dvc", "repro", "train"], cwd=repo)
+    return SimpleNamespace(repo=repo, stdout=out.stdout)
+
+
+@pytest.fixture(scope="session")
+def snakemake_trained(tmp_path_factory) -> Path:
+    """The project as a committed git checkout (small data params, FRONT_END_RUN) in which
+    `snakemake --cores all train` ran every stage up to train. Read-only use, please."""
+    repo = copy_project(tmp_path_factory.mktemp("snakemake") / "repo")
+    update_params(repo, SMALL_PARAMS)
+    update_params(repo, FRONT_END_RUN)
+    git_repo(repo)
+    run(["snakemake", "--cores", "all", "train"], cwd=repo)
     return repo
