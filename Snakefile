@@ -1,6 +1,6 @@
 # dsflow's Snakemake front-end. Every rule runs `python -m dsflow <stage>`, exactly the command the
 # stage of the same name in dvc.yaml runs, with the same inputs, outputs and params
-# (tests/test_frontends.py fails if the two drift).
+# (tests/unit/test_frontends.py fails if the two drift).
 from snakemake.utils import min_version
 
 min_version("9.0")

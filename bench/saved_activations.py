@@ -6,7 +6,7 @@ replayed on the GPU launches whose peaks docs/log.md records.
 `--recipes` FP8 recipe (torchao's CPU emulation): the bytes saved_tensors_hooks sees
 (parameters left out) beside dsflow.plan.memory.activation_bytes. `--diff` also lists, by size
 and dtype, the tensors each run keeps unlike the run before it: how compiled_unsaved and
-fp8_unsaved were read off. tests/test_plan.py holds the planner against the same count.
+fp8_unsaved were read off. tests/unit/plan/test_plan.py holds the planner against the same count.
 
 `replay`: the planner's reserved peak (its total without the fixed CUDA context) for the runs of
 the planner-accuracy table (docs/log.md's full one; docs/performance.md keeps five of its

@@ -100,7 +100,7 @@ import yaml
 
 from dsflow.errors import UsageError
 from dsflow.model import flops, hfkernels
-from dsflow.model.fastpaths import DEFAULT_CE_CHUNK
+from dsflow.model.fastpaths import DEFAULT_CE_CHUNK, PLAIN
 from dsflow.model.presets import PRESETS, model_config, preset_model_type
 from dsflow.params import deep_merge
 from dsflow.paths import TOKENIZER
@@ -142,16 +142,7 @@ FROM_CHECKPOINT = {"lora": {"finetune": "lora"}, "full-ft": {"finetune": "full"}
 VARIANTS = {
     "baseline": {
         "zero_stage": 2,
-        "perf": {
-            "compile": False,
-            "attention": "sdpa",
-            "ce_chunk": 0,
-            "prefetch": False,
-            "fused_grad_checks": False,
-            "experts": "hf-best",
-            "optimizer": "deepspeed",
-            "async_metrics": False,
-        },
+        "perf": {**PLAIN, "experts": "hf-best", "optimizer": "deepspeed", "async_metrics": False},
     },
     "dsflow": {},
     # one lever off (or an opt-in one on) at a time, the rest at their defaults (--variants)

@@ -1,4 +1,5 @@
-"""Shared fixtures: a throwaway copy of the project, and small params for fast stage runs."""
+"""Shared fixtures: a throwaway copy of the project, the params overlays for fast stage runs,
+and the prepared project the stage tests copy."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -28,6 +30,9 @@ requires_cuda = pytest.mark.skipif(
     not _has_cuda(), reason="needs a CUDA GPU (pytest -m cuda on the GPU host)"
 )
 needs_cuda = [pytest.mark.cuda, requires_cuda]
+
+# --------------------------------------------------------------------------- params overlays
+# The tests' params are built from these, so that a run's shape is read in one place.
 
 # Small enough for a 2-core CI box, big enough for BPE merges and both splits.
 SMALL_PARAMS = {
@@ -66,6 +71,11 @@ def tiny_run(gpus: int, steps: int, **train) -> dict:
             **train,
         },
     }
+
+
+# The one trained run the e2e tests share (`trained`): 2 CPU ranks, ZeRO-2, the default launcher,
+# checkpoints of steps 2 and 4 kept.
+TRAINED = tiny_run(2, 4, zero_stage=2, checkpoint_every=2, eval_every=4, keep_checkpoints=2)
 
 
 # Where the tree is no git checkout (the GPU host gets a bare copy of it): what is not the
@@ -195,6 +205,12 @@ def dsflow(*args: str, cwd: Path, check: bool = True, **kw) -> subprocess.Comple
     return run([sys.executable, "-m", "dsflow", *args], cwd=cwd, check=check, **kw)
 
 
+def losses(repo: Path, name: str = "train/loss") -> dict[int, float]:
+    """step -> the value dvclive logged for metric `name` (train/loss, val/loss, ...)."""
+    rows = (repo / f"dvclive/plots/metrics/{name}.tsv").read_text().splitlines()[1:]
+    return {int(r.split("\t")[0]): float(r.split("\t")[1]) for r in rows}
+
+
 def rewound_copy(run_dir: Path, dest: Path, step: int) -> Path:
     """A copy of the finished train run in `run_dir` as a run stopped after its checkpoint of
     `step` leaves it: the later checkpoints gone, `latest` on that one, the train/ TSVs cut after
@@ -232,4 +248,70 @@ def prepared(tmp_path_factory) -> Path:
     update_params(repo, SMALL_PARAMS)
     for stage in ("pretrained", "download", "tokenizer", "tokenize", "shard"):
         dsflow(stage, cwd=repo)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def trained(prepared, tmp_path_factory) -> Path:
+    """`prepared` trained with TRAINED (read-only use, please: tests copy it to change it)."""
+    repo = tmp_path_factory.mktemp("trained") / "repo"
+    shutil.copytree(prepared, repo)
+    update_params(repo, TRAINED)
+    dsflow("train", cwd=repo, timeout=900)
+    return repo
+
+
+# --------------------------------------------------------------------------- front-end clones
+
+# The run the front-end tests have Snakemake and DVC train from a clean checkout.
+FRONT_END_RUN = tiny_run(2, 3, seq_len=64)
+
+
+def commit_all(repo: Path, message: str) -> None:
+    run(["git", "add", "-A"], cwd=repo)
+    run(["git", "commit", "-qm", message], cwd=repo)
+
+
+def git_repo(path: Path) -> Path:
+    """`path` as a git repository with everything in it committed."""
+    run(["git", "init", "-q"], cwd=path)
+    run(["git", "config", "user.email", "ci@dsflow"], cwd=path)
+    run(["git", "config", "user.name", "ci"], cwd=path)
+    commit_all(path, "init")
+    return path
+
+
+def git_dvc_repo(path: Path) -> Path:
+    """What `git clone` gives a user (with small data params): a DVC project as it is, with no
+    `dvc init`."""
+    origin = copy_project(path.with_name(f"{path.name}-origin"))
+    update_params(origin, SMALL_PARAMS)
+    git_repo(origin)
+    run(["git", "clone", "-q", str(origin), str(path)], cwd=origin.parent)
+    run(["git", "config", "user.email", "ci@dsflow"], cwd=path)
+    run(["git", "config", "user.name", "ci"], cwd=path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def dvc_trained(tmp_path_factory) -> SimpleNamespace:
+    """A fresh clone in which `dvc repro train` ran every stage up to train (FRONT_END_RUN),
+    OMP_NUM_THREADS unset as in a user's shell: `repo`, and `stdout`, what DVC printed.
+    Read-only use, please: tests copy it to change it."""
+    repo = git_dvc_repo(tmp_path_factory.mktemp("dvc") / "repo")
+    update_params(repo, FRONT_END_RUN)
+    unset = ["env", "-u", "OMP_NUM_THREADS", "-u", "MKL_NUM_THREADS"]
+    out = run([*unset, "dvc", "repro", "train"], cwd=repo)
+    return SimpleNamespace(repo=repo, stdout=out.stdout)
+
+
+@pytest.fixture(scope="session")
+def snakemake_trained(tmp_path_factory) -> Path:
+    """The project as a committed git checkout (small data params, FRONT_END_RUN) in which
+    `snakemake --cores all train` ran every stage up to train. Read-only use, please."""
+    repo = copy_project(tmp_path_factory.mktemp("snakemake") / "repo")
+    update_params(repo, SMALL_PARAMS)
+    update_params(repo, FRONT_END_RUN)
+    git_repo(repo)
+    run(["snakemake", "--cores", "all", "train"], cwd=repo)
     return repo

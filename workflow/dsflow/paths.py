@@ -1,5 +1,6 @@
 """Every run-directory path, named once. Paths are relative to the project folder (the stages run
-there); dvc.yaml and the Snakefile declare the same outputs (tests/test_frontends.py checks it).
+there); dvc.yaml and the Snakefile declare the same outputs (tests/unit/test_frontends.py checks
+it).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def export_dir(tag: str) -> Path:
 LOCKS = Path(".locks")
 
 # What each stage reads and writes, as dvc.yaml declares its data deps and outs
-# (tests/test_trust_lock.py checks they agree): the paths the project lock holds while it runs.
+# (tests/unit/test_trust_lock.py checks they agree): the paths the project lock holds while it runs.
 # export reads a checkpoint's tag, complete once named, so it may run beside a training.
 STAGE_IO: dict[str, tuple[tuple[Path, ...], tuple[Path, ...]]] = {
     "pretrained": ((), (PRETRAINED,)),

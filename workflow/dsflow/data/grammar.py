@@ -18,11 +18,11 @@ probability is an exact rational; each log is rounded once, identically on every
 
 One description drives both directions. `_compile` turns the rules into tables of `_Choice`
 points; `generate` walks them drawing each choice from an RNG of its own, seeded from
-(seed, index). The parser in tests/grammar_ll1.py walks the same tables as a predictive parser,
+(seed, index). The parser in tests/unit/data/grammar_ll1.py walks the same tables as a predictive parser,
 reading each choice off the text, with the same logs in the same order of summation, so its
 score of a text is exactly the float that `generate` recorded.
 
-Why the grammar is unambiguous. tests/grammar_ll1.py proves it LL(1): for every rule, the tokens
+Why the grammar is unambiguous. tests/unit/data/grammar_ll1.py proves it LL(1): for every rule, the tokens
 that can begin each alternative (its FIRST set, plus the rule's FOLLOW set where the alternative
 can be empty) are disjoint from those of every other alternative. A reference counts as every
 word its variable could hold, which only makes the check stricter. So one token of lookahead
@@ -326,7 +326,7 @@ def _log_ratio(numerator: int, denominator: int) -> float:
 
 def _compile(g: Grammar, start: str = "story") -> tuple[list, dict[str, _Choice]]:
     """The tables `generate` walks: the start symbol's body (reversed, ready for a stack) and the
-    choice points by name. tests/grammar_ll1.py proves the rules safe first (see the docstring)."""
+    choice points by name. tests/unit/data/grammar_ll1.py proves the rules safe first (see the docstring)."""
     raw = _Raw(g, start)
     return _tables(raw, _forms(raw, g))
 

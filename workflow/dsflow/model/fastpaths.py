@@ -84,6 +84,16 @@ FP8_EXPERTS = "dsflow_fp8_experts"  # set on an experts module: its grouped GEMM
 FP8_GROUP_ROWS = 16  # torch's FP8 grouped GEMM needs every group's rows in multiples of 16
 # Set on an experts module: the compute capability of its GPU (None: CPU), for grouped_gemm.
 GEMM_CAPABILITY = "dsflow_gemm_capability"
+# train.perf with every model-side fast path off: HF's own forward and loss, as the bench's
+# baseline and the GPU tests' reference run them.
+PLAIN = {
+    "compile": False,
+    "attention": "sdpa",
+    "ce_chunk": 0,
+    "prefetch": False,
+    "fused_grad_checks": False,
+    "experts": "hf",
+}
 
 
 @dataclass(frozen=True)

@@ -274,7 +274,8 @@ def _mlps_per_token(
     """(dense MLP, MoE MLP) bytes per token, each with its post-attention norm. Per routed
     (token, expert) pair autograd keeps the permuted input twice and four expert-width
     tensors; with `frozen_experts` one of each fewer: the gate/up GEMM's input and the down
-    GEMM's input are kept only for their weights' gradients (measured on CPU, tests/test_plan.py)."""
+    GEMM's input are kept only for their weights' gradients (measured on CPU,
+    tests/unit/plan/test_plan.py)."""
     H, K, E = d["H"], d["K"], d["E"]
     post_norm = _norm(H, 0 if frozen_base else a) + a * H
     dense_mlp = post_norm + 4 * a * d["inter"]
@@ -303,7 +304,7 @@ def compiled_unsaved(
     LoRA (`frozen_base`) keeps the routed pairs' tensors, the final norm's fp32 copy and one
     more hidden-wide 16-bit tensor per layer and at the head. Read off saved_tensors_hooks on
     CPU (every fast path; hidden 1024 and 2048, both families, LoRA with and without the
-    experts, fp32) and held against autograd's count there (tests/test_plan.py)."""
+    experts, fp32) and held against autograd's count there (tests/unit/plan/test_plan.py)."""
     H, kv, rope = d["H"], d["kv_lora"], d["rope"]
     norm_a, kept = (0, a * H) if frozen_base else (a, 0)
     norms = 4 * (2 * H + d["q_lora"] + kv)  # input and post-attention norms, q_a and kv_a
@@ -320,8 +321,8 @@ def fp8_unsaved(d: dict[str, int], a: int, recipe: str) -> tuple[int, int]:
     not saved for its weight gradient when every consumer of that input is such a linear: the
     compiled backward recomputes it (the norm, the cast) from what it keeps anyway. Read off
     saved_tensors_hooks on CPU (bench/saved_activations.py): exactly these inputs leave, at
-    hidden 1024, 2048 and 4096, tensorwise and rowwise; tests/test_plan.py holds hidden 2048
-    tensorwise. Without compile autograd keeps the same tensors as in bf16."""
+    hidden 1024, 2048 and 4096, tensorwise and rowwise; tests/unit/plan/test_plan.py holds hidden
+    2048 tensorwise. Without compile autograd keeps the same tensors as in bf16."""
     if recipe not in float8.RECIPES:
         return 0, 0
     H, heads, v = d["H"], d["heads"], d["v"]

@@ -193,7 +193,8 @@ def _env_int(name: str) -> int | None:
 
 
 class Faults:
-    """Fault injection for the reliability tests (tests/test_reliability.py); all off unless set.
+    """Fault injection for the reliability tests (tests/e2e/test_reliability.py); all off unless
+    set.
 
     DSFLOW_FAULT_STEP=s [DSFLOW_FAULT_RANK=r, default 0] SIGKILLs rank r right after step s, as a
     crash or an OOM kill would; with DSFLOW_FAULT_POINT=micro, inside step s instead (after its

@@ -276,22 +276,14 @@ def test_a_failed_download_leaves_the_previous_data(project, tmp_path):
 
 
 @pytest.mark.slow
-def test_snakemake_then_dvc_then_the_readmes_commit_and_diff(tmp_path):
+def test_snakemake_then_dvc_then_the_readmes_commit_and_diff(snakemake_trained, tmp_path):
     """The README's order in a clone: Snakemake trains, `dvc repro` (no dvc.lock yet) runs the
     stages again and finds the run finished, the README's `git add` commits it, a second run
     is committed the same way and `dvc metrics diff` compares two real runs; Snakemake's
     folder markers never make `dvc status` see a change."""
-    origin = conftest.copy_project(tmp_path / "origin")
-    update_params(origin, conftest.SMALL_PARAMS)
-    update_params(origin, tiny_run(gpus=1, steps=3))
-    run(["git", "init", "-q"], cwd=origin)
-    for key, value in (("user.email", "ci@dsflow"), ("user.name", "ci")):
-        run(["git", "config", key, value], cwd=origin)
-    run(["git", "add", "-A"], cwd=origin)
-    run(["git", "commit", "-qm", "clone"], cwd=origin)
-    repo = origin  # a clone is this, with .dvc/ shipped
-
-    run(["snakemake", "--cores", "all", "train"], cwd=repo)
+    # A clone is a committed checkout with .dvc/ shipped; Snakemake trained in it once per test
+    # run (conftest), copied here to go on from.
+    repo = shutil.copytree(snakemake_trained, tmp_path / "origin", symlinks=True)
     by_snakemake = outputs(repo)
     run(["dvc", "repro", "train"], cwd=repo)
     assert outputs(repo) == by_snakemake

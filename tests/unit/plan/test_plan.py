@@ -8,11 +8,11 @@ import copy
 import json
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import ROOT
 from dsflow import machine
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
@@ -24,7 +24,6 @@ from dsflow.model.presets import PRESETS, model_config, param_counts
 from dsflow.plan import layouts, memory, request, stage, tables
 from dsflow.train import stage as train
 
-ROOT = Path(__file__).resolve().parent.parent
 GB = 10**9
 CARD = 24 * GB  # "24 GB" as --gpu-mem 24 means it
 
@@ -98,7 +97,7 @@ def test_v3_expert_bank_is_one_module():
 
 def _saved_activations():
     """bench/saved_activations.py: its counter of what autograd keeps for backward."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(ROOT / "bench"))
     import saved_activations
 
     return saved_activations

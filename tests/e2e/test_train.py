@@ -10,28 +10,14 @@ import sys
 import pytest
 import torch
 
-from conftest import dsflow, rewound_copy, update_params
+from conftest import dsflow, losses, rewound_copy, tiny_run, update_params
 
 pytestmark = pytest.mark.slow
 
-TRAIN = {
-    "model": {"preset": "tiny"},
-    "train": {
-        "device": "cpu",
-        "gpus": 3,
-        "precision": "fp32",
-        "seq_len": 64,
-        "micro_batch": 2,
-        "grad_accum": 1,
-        "global_batch": None,
-        "max_steps": 12,
-        "eval_every": 6,
-        "eval_batches": 2,
-        "checkpoint_every": 5,
-        "optimizer": {"lr": 0.003},
-        "schedule": {"warmup_steps": 2},
-    },
-}
+TRAIN = tiny_run(
+    3, 12, seq_len=64, grad_accum=1, global_batch=None, eval_every=6, eval_batches=2,
+    checkpoint_every=5, optimizer={"lr": 0.003}, schedule={"warmup_steps": 2},
+)  # fmt: skip
 
 
 def trained_copy(prepared, dest, overlay=None, env=None, check=True):
@@ -46,11 +32,6 @@ def trained_copy(prepared, dest, overlay=None, env=None, check=True):
     if overlay:
         update_params(repo, overlay)
     return dsflow("train", cwd=repo, env=env or {}, check=check, timeout=900)
-
-
-def losses(repo, name="train/loss"):
-    rows = (repo / f"dvclive/plots/metrics/{name}.tsv").read_text().splitlines()[1:]
-    return {int(r.split("\t")[0]): float(r.split("\t")[1]) for r in rows}
 
 
 @pytest.fixture(scope="module")

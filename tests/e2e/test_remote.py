@@ -3,14 +3,14 @@ another (a fresh clone), e.g. a cluster node that needs the shards."""
 
 from __future__ import annotations
 
-import pytest
-from test_pipeline import git_dvc_repo
+import shutil
 
-from conftest import run, tiny_run, update_params
+import pytest
+
+from conftest import FRONT_END_RUN, run
 
 pytestmark = pytest.mark.slow
 
-TRAIN = tiny_run(gpus=1, steps=2)
 # Cached outs of dvc.yaml up to train: `dvc push` uploads them, `dvc pull` restores them.
 PUSHED = [
     "data/raw",
@@ -32,10 +32,9 @@ def files(root, rel) -> dict[str, bytes]:
     }
 
 
-def test_push_to_a_local_remote_and_pull_into_a_fresh_clone(tmp_path):
-    repo = git_dvc_repo(tmp_path / "repo")
-    update_params(repo, TRAIN)
-    run(["dvc", "repro", "train"], cwd=repo)
+def test_push_to_a_local_remote_and_pull_into_a_fresh_clone(dvc_trained, tmp_path):
+    """From the clone `dvc repro train` ran in (conftest's dvc_trained, copied)."""
+    repo = shutil.copytree(dvc_trained.repo, tmp_path / "repo", symlinks=True)
     remote = tmp_path / "remote"
     run(["dvc", "remote", "add", "-d", "local", str(remote)], cwd=repo)
     run(["git", "add", "-A"], cwd=repo)
@@ -54,7 +53,8 @@ def test_push_to_a_local_remote_and_pull_into_a_fresh_clone(tmp_path):
     run(["dvc", "pull", "--with-deps", "train"], cwd=clone)
     for out in PUSHED:
         assert files(clone, out) == files(repo, out), out
-    assert (clone / "checkpoints/latest").read_text().strip() == "step00000002"
+    last = FRONT_END_RUN["train"]["max_steps"]
+    assert (clone / "checkpoints/latest").read_text().strip() == f"step{last:08d}"
     # cache: false outs (dvclive/, metrics/train.json) are not in the remote: git carries them
     assert files(clone, "dvclive") == files(repo, "dvclive")
     # what was pulled matches dvc.lock: nothing to rerun (evaluate and report never ran)

@@ -12,9 +12,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_train import EVAL_EXPORTED, losses, trained_copy
+from test_train import EVAL_EXPORTED, trained_copy
 
-from conftest import ROOT, dsflow, rewound_copy
+from conftest import ROOT, dsflow, losses, rewound_copy
 from dsflow import dsconfig
 from dsflow import params as params_mod
 from dsflow.errors import UsageError

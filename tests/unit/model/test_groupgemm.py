@@ -2,7 +2,7 @@
 GEMMs for fp16 and for GPUs below compute capability 9.0, where torch's grouped GEMM falls back
 to a GEMM per expert behind a host sync. The kernels run in Triton's interpreter here
 (TRITON_INTERPRET=1), in fp32 and fp16 (the interpreter gets bf16 dot products wrong: bf16
-is checked on the GPU, tests/test_cuda.py)."""
+is checked on the GPU, tests/e2e/test_cuda.py)."""
 
 from __future__ import annotations
 

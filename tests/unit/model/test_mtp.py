@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, dsflow, rewound_copy, tiny_v2, update_params
+from conftest import ROOT, dsflow, losses, rewound_copy, tiny_run, tiny_v2, update_params
 from dsflow.errors import UsageError
 from dsflow.model import mtp
 from dsflow.model.build import build_model, check_mtp, save_hf
 from dsflow.model.loss import TrainingLM, mean_loss, mtp_weight_at
 from dsflow.model.presets import model_config
+from dsflow.params import deep_merge
 
 VOCAB = 96
 SEQ = 12
@@ -381,27 +382,11 @@ def test_a_bad_depth_names_the_key():
     assert filled["train"]["mtp"] == {"weight": phases} and filled["model"]["mtp_depth"] == 0
 
 
-RUN = {
-    "model": {"preset": "tiny", "mtp_depth": 1},
-    "train": {
-        "device": "cpu",
-        "gpus": 2,
-        "precision": "fp32",
-        "seq_len": 32,
-        "micro_batch": 2,
-        "max_steps": 6,
-        "eval_every": 3,
-        "eval_batches": 1,
-        "checkpoint_every": 3,
-        "optimizer": {"lr": 0.003},
-        "schedule": {"warmup_steps": 1},
-    },
-}
-
-
-def tsv(repo, name):
-    rows = (repo / f"dvclive/plots/metrics/{name}.tsv").read_text().splitlines()[1:]
-    return {int(r.split("\t")[0]): float(r.split("\t")[1]) for r in rows}
+RUN = deep_merge(
+    tiny_run(2, 6, eval_every=3, checkpoint_every=3, optimizer={"lr": 0.003},
+             schedule={"warmup_steps": 1}),
+    {"model": {"mtp_depth": 1}},
+)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -418,15 +403,15 @@ def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared
     update_params(full, RUN)
     dsflow("train", cwd=full, timeout=900)
     metrics = json.loads((full / "metrics/train.json").read_text())
-    depth1 = tsv(full, "train/mtp_loss_1")
+    depth1 = losses(full, "train/mtp_loss_1")
     assert sorted(depth1) == list(range(1, 7)) and metrics["mtp_loss_1"] == depth1[6]
     assert all(v > 0 for v in depth1.values())
 
     resumed = rewound_copy(full, tmp_path / "resumed", 3)
     proc = dsflow("train", cwd=resumed, timeout=900)
     assert "resumed from step 3" in proc.stderr
-    assert tsv(resumed, "train/loss") == tsv(full, "train/loss")
-    assert tsv(resumed, "train/mtp_loss_1") == depth1
+    assert losses(resumed, "train/loss") == losses(full, "train/loss")
+    assert losses(resumed, "train/mtp_loss_1") == depth1
     assert (
         json.loads((resumed / "metrics/train.json").read_text())["val_loss"]
         == (metrics["val_loss"])
@@ -483,7 +468,7 @@ def test_zero3_trains_the_mtp_modules_and_gathers_them_for_models_final(prepared
     update_params(repo, RUN)
     update_params(repo, {"train": {"zero_stage": 3, "max_steps": 4, "checkpoint_every": 4}})
     dsflow("train", cwd=repo, timeout=900)
-    depth1 = tsv(repo, "train/mtp_loss_1")
+    depth1 = losses(repo, "train/mtp_loss_1")
     assert sorted(depth1) == [1, 2, 3, 4] and depth1[4] < depth1[1]
     final = repo / "models/final"
     index = json.loads((final / "model.safetensors.index.json").read_text())["weight_map"]

@@ -129,7 +129,7 @@ def test_train_rule_declares_its_gpus(tmp_path):
     from conftest import copy_project, update_params
 
     # params.yaml's default device is auto with 3 ranks: the rule asks for 3 GPUs (on a cluster
-    # the host that reads the workflow has none, its train nodes do: tests/test_slurm.py).
+    # the host that reads the workflow has none, its train nodes do: tests/e2e/test_slurm.py).
     assert snakemake_rules()["train"]["resources"] == {"gpus": 3}
     repo = copy_project(tmp_path / "repo")
     update_params(repo, {"train": {"device": "cuda"}})

@@ -8,9 +8,8 @@ import json
 
 import pytest
 import torch
-from test_train import losses
 
-from conftest import dsflow, rewound_copy, tiny_run, update_params
+from conftest import dsflow, losses, rewound_copy, tiny_run, update_params
 from dsflow.train.masteradam import MasterAdamW
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

@@ -10,10 +10,11 @@ import json
 import math
 
 import pytest
-from test_train import losses, trained_copy
+from test_train import trained_copy
 
 import conftest
-from conftest import requires_cuda
+from conftest import losses, requires_cuda
+from dsflow.model import fastpaths
 
 ON_GPU = {
     "train": {
@@ -23,14 +24,7 @@ ON_GPU = {
         "zero_stage": 2,
     }
 }
-PLAIN = {
-    "compile": False,
-    "attention": "sdpa",
-    "ce_chunk": 0,
-    "prefetch": False,
-    "fused_grad_checks": False,
-    "experts": "hf",
-}
+PLAIN = fastpaths.PLAIN
 # Every CUDA fast path at once, the opt-in CUDA graphs included: CUDA graphs around each compiled
 # layer, flash attention on padded V, the fused loss (a chunk that does not divide the batch),
 # pinned prefetch, fused gradient checks, the sorted experts, router hooks in the graphs.

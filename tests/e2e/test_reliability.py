@@ -28,34 +28,21 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, dsflow, update_params, wait_for
+from conftest import ROOT, dsflow, tiny_run, update_params, wait_for
 from dsflow import dsconfig
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
 from dsflow.train import checkpoint as ckpt
 
-TRAIN = {
-    "model": {"preset": "tiny"},
-    "train": {
-        "device": "cpu",
-        "gpus": 3,
-        "precision": "fp32",
-        "seq_len": 64,
-        "micro_batch": 1,
-        "grad_accum": 2,  # so that a rank can die between two micro-steps of one step
-        "global_batch": None,
-        "max_steps": 12,
-        "eval_every": 6,
-        "eval_batches": 2,
-        "checkpoint_every": 3,
-        "keep_checkpoints": 2,
-        "max_bad_steps": 10,
-        "optimizer": {"lr": 0.003},
-        # Constant after warmup, so the schedule does not depend on max_steps (the SIGTERM phase
-        # runs with a large budget).
-        "schedule": {"kind": "warmup", "warmup_steps": 2},
-    },
-}
+TRAIN = tiny_run(
+    3, 12, seq_len=64, micro_batch=1,
+    grad_accum=2,  # so that a rank can die between two micro-steps of one step
+    global_batch=None, eval_every=6, eval_batches=2, checkpoint_every=3, keep_checkpoints=2,
+    max_bad_steps=10, optimizer={"lr": 0.003},
+    # Constant after warmup, so the schedule does not depend on max_steps (the SIGTERM phase
+    # runs with a large budget).
+    schedule={"kind": "warmup", "warmup_steps": 2},
+)  # fmt: skip
 TIMEOUT = 300  # no training run here may take longer: a hang fails the test instead
 
 

@@ -59,7 +59,7 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     assert not fastpaths.resolve({**auto, "experts": "sorted"}, "cuda").experts_fallback
     # auto keeps HF's experts where the sorted ones are untested: ZeRO-3, and fp32, where they
     # run eagerly between the compiled graphs (unmeasured for speed); fp16 takes them
-    # (tests/test_groupgemm.py).
+    # (tests/unit/model/test_groupgemm.py).
     assert fastpaths.resolve(auto, "cuda", precision="fp16").experts == "sorted"
     assert fastpaths.resolve(auto, "cuda", precision="fp32").experts == "hf"
     assert fastpaths.resolve(auto, "cuda", zero_stage=3).experts == "hf"
@@ -77,7 +77,7 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu():
         ("cuda", 2, "bf16", False, True),
         ("cuda", 1, "bf16", False, True),
         ("cuda", 2, "fp32", False, True),
-        ("cuda", 2, "fp16", False, True),  # loss-scaled: tests/test_fusedgrads.py
+        ("cuda", 2, "fp16", False, True),  # loss-scaled: tests/unit/train/test_fusedgrads.py
         ("cuda", 0, "bf16", False, False),  # DeepSpeed's ZeRO-1/2 optimizer only
         ("cuda", 3, "bf16", False, False),
         ("cuda", 2, "bf16", True, False),  # CPU offload keeps its own per-parameter norms

@@ -13,37 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import SMALL_PARAMS, copy_project, run, update_params
+from conftest import SMALL_PARAMS, commit_all, copy_project, git_dvc_repo, run, update_params
 
 pytestmark = pytest.mark.slow
 
 DATA_STAGES = ("pretrained", "download", "tokenizer", "tokenize", "shard")
-
-
-def commit_all(repo: Path, message: str) -> None:
-    run(["git", "add", "-A"], cwd=repo)
-    run(["git", "commit", "-qm", message], cwd=repo)
-
-
-def git_repo(path: Path) -> Path:
-    """`path` as a git repository with everything in it committed."""
-    run(["git", "init", "-q"], cwd=path)
-    run(["git", "config", "user.email", "ci@dsflow"], cwd=path)
-    run(["git", "config", "user.name", "ci"], cwd=path)
-    commit_all(path, "init")
-    return path
-
-
-def git_dvc_repo(path: Path) -> Path:
-    """What `git clone` gives a user (with small data params): a DVC project as it is, with no
-    `dvc init`."""
-    origin = copy_project(path.with_name(f"{path.name}-origin"))
-    update_params(origin, SMALL_PARAMS)
-    git_repo(origin)
-    run(["git", "clone", "-q", str(origin), str(path)], cwd=origin.parent)
-    run(["git", "config", "user.email", "ci@dsflow"], cwd=path)
-    run(["git", "config", "user.name", "ci"], cwd=path)
-    return path
 
 
 def git_changes(repo: Path) -> set[str]:
@@ -117,22 +91,6 @@ def test_overlay_reaches_the_stage_through_snakemake(tmp_path):
     shutil.rmtree(repo / "data/raw")
 
 
-TINY_TRAIN = {
-    "model": {"preset": "tiny"},
-    "train": {
-        "device": "cpu",
-        "gpus": 2,
-        "precision": "fp32",
-        "seq_len": 64,
-        "micro_batch": 2,
-        "max_steps": 3,
-        "eval_every": 3,
-        "eval_batches": 1,
-        "checkpoint_every": 3,
-    },
-}
-
-
 def exp_show(repo: Path, *args: str) -> tuple[list[str], str]:
     """`dvc exp show` with `args`, as CSV: its column names, and its output. (The table's
     header is no place to read names from: DVC draws the table at most 1024 characters wide
@@ -199,17 +157,15 @@ def final_model(repo: Path) -> dict[str, bytes]:
     return files
 
 
-def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
+def test_train_from_a_clean_checkout_with_both_tools(dvc_trained, snakemake_trained, tmp_path):
     """Each front-end, from a clean checkout, runs the data stages and trains: the same model,
     byte for byte. Snakemake sets OMP_NUM_THREADS to its job's cores, DVC leaves the user's
     environment (here without it): the ranks' thread counts are dsflow's either way
     (train.threads_per_rank). Then DVC runs the whole DAG twice and compares the runs, and a
     param reruns only the Snakemake jobs it touches."""
-    repo = git_dvc_repo(tmp_path / "dvc")
-    update_params(repo, TINY_TRAIN)
-    unset = ["env", "-u", "OMP_NUM_THREADS", "-u", "MKL_NUM_THREADS"]
-    out = run([*unset, "dvc", "repro", "train"], cwd=repo)
-    assert dvc_ran(out.stdout) == {*DATA_STAGES, "plan", "train"}
+    # Both trained once per test run (conftest), copied here to go on from.
+    repo = shutil.copytree(dvc_trained.repo, tmp_path / "dvc", symlinks=True)
+    assert dvc_ran(dvc_trained.stdout) == {*DATA_STAGES, "plan", "train"}
     trained_by_dvc = final_model(repo)
     assert "config.json" in trained_by_dvc
     assert dvc_ran(run(["dvc", "repro", "train"], cwd=repo).stdout) == set()
@@ -236,10 +192,7 @@ def test_train_from_a_clean_checkout_with_both_tools(tmp_path):
     report = (repo / "reports/report.md").read_text()
     assert "| train.optimizer.lr | 0.003 | 0.001 |" in report  # compared with run 1
 
-    snake = copy_project(tmp_path / "snake")
-    update_params(snake, SMALL_PARAMS)
-    update_params(snake, TINY_TRAIN)
-    run(["snakemake", "--cores", "all", "train"], cwd=snake)
+    snake = shutil.copytree(snakemake_trained, tmp_path / "snake", symlinks=True)
     assert "model.safetensors" in trained_by_dvc
     assert final_model(snake) == trained_by_dvc
     assert (snake / "logs/train.log").exists()

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_v2
+from conftest import ROOT, tiny_v2
 from dsflow.errors import UsageError
 from dsflow.model import lora
 from dsflow.model.balance import ExpertBalancer
@@ -315,8 +314,7 @@ def test_lora_without_a_pretrained_model_is_one_line():
 
     from dsflow import params as params_mod
 
-    root = Path(__file__).resolve().parent.parent
-    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["train"]["finetune"], raw["model"]["pretrained"] = "lora", None
     with pytest.raises(UsageError) as err:
         params_mod.validate(raw)
@@ -520,8 +518,7 @@ def _plan(finetune: str):
     from dsflow import params as params_mod
     from dsflow.plan import stage
 
-    root = Path(__file__).resolve().parent.parent
-    params = params_mod.validate(yaml.safe_load((root / "params.yaml").read_text()))
+    params = params_mod.validate(yaml.safe_load((ROOT / "params.yaml").read_text()))
     parser = argparse.ArgumentParser()
     stage.add_arguments(parser)
     argv = "--model deepseek-v2-lite --gpus 3 --gpu-mem 24 --host-mem 128 --disk 500"
@@ -553,9 +550,8 @@ def test_the_lora_profile_is_the_recipe_the_planner_fits(monkeypatch):
     from dsflow import params as params_mod
     from dsflow.plan import stage
 
-    root = Path(__file__).resolve().parent.parent
-    profile = root / "profiles/lora-rtx4090x3.yaml"
-    params = params_mod.load(root / "params.yaml", overlays=[str(profile)])
+    profile = ROOT / "profiles/lora-rtx4090x3.yaml"
+    params = params_mod.load(ROOT / "params.yaml", overlays=[str(profile)])
     assert params["train"]["finetune"] == "lora" and params["train"]["zero_stage"] == 3
     monkeypatch.setenv("DSFLOW_PROFILES", str(profile))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

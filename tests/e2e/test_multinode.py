@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import dsflow, tiny_run, update_params
+from conftest import dsflow, losses, tiny_run, update_params
 from dsflow.launch import free_port
 
 pytestmark = pytest.mark.slow
@@ -27,11 +27,6 @@ def copy_of(prepared, dest, *overlays):
     for overlay in (RUN, *overlays):
         update_params(dest, overlay)
     return dest
-
-
-def losses(repo):
-    rows = (repo / "dvclive/plots/metrics/train/loss.tsv").read_text().splitlines()[1:]
-    return [float(r.split("\t")[1]) for r in rows]
 
 
 def start_node(repo, rank: int, **extra_env) -> subprocess.Popen:

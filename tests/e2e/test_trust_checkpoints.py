@@ -4,7 +4,8 @@ A planted pickle in any file a stage loads is refused in one line naming the fil
 runs; a flipped bit in any checkpoint file or in models/final is caught by its content hash; a
 checkpoint the ranks cannot load (a zeroed header, another model's shapes) is one line naming
 the tag and file, and the rerun resumes from the checkpoint before it instead of failing again.
-All on one short 2-rank ZeRO-2 run (`trained`, checkpoints of steps 2 and 4), copied per case.
+All on the tests' shared 2-rank ZeRO-2 run (conftest's `trained`, checkpoints of steps 2 and 4),
+copied per case.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dsflow import safeload
 from dsflow.errors import UsageError
 from dsflow.train import checkpoint as ckpt
 
-TRAIN = tiny_run(2, 4, zero_stage=2, checkpoint_every=2, eval_every=4, keep_checkpoints=2)
 TIMEOUT = 300
 MODEL = ckpt.MODEL_FILE
 OPTIM = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -38,16 +38,6 @@ class Planted:
 
     def __reduce__(self):
         return exec, (f"open({self.marker!r}, 'w').write('ran')",)
-
-
-@pytest.fixture(scope="module")
-def trained(prepared, tmp_path_factory) -> Path:
-    repo = tmp_path_factory.mktemp("trusted") / "repo"
-    skip = shutil.ignore_patterns("checkpoints", "models", "dvclive", "metrics")
-    shutil.copytree(prepared, repo, ignore=skip)
-    update_params(repo, TRAIN)
-    dsflow("train", cwd=repo, timeout=TIMEOUT)
-    return repo
 
 
 def copy_run(trained: Path, dest: Path) -> Path:

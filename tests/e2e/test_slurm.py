@@ -102,7 +102,7 @@ def test_train_job_asks_for_nodes_gpus_per_node_and_one_task_per_node(tmp_path):
     assert not [a for a in args if a.startswith(("--ntasks", "-n"))]
     wrap = next(a for a in args if a.startswith("--wrap="))
     # on the first node, Snakemake's jobstep executor runs the rule, whose stage then starts
-    # itself on every node (srun; tests/test_multinode.py)
+    # itself on every node (srun; tests/e2e/test_multinode.py)
     assert "--target-jobs 'train:'" in wrap and "--executor slurm-jobstep" in wrap
 
 

@@ -4,16 +4,15 @@ decision logic on faked facts."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import ROOT
 from dsflow import checks, doctor, machine
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
 
-ROOT = Path(__file__).resolve().parent.parent
 GB = 10**9
 MIB = 2**20
 

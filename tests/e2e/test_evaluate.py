@@ -11,27 +11,15 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import dsflow, update_params
+from conftest import dsflow, tiny_run, update_params
 from dsflow.data.shards import load_index
 from dsflow.evaluate import token_byte_lengths
 
 pytestmark = pytest.mark.slow
 
+WARMUP = {"kind": "warmup", "warmup_steps": 2}
 TRAIN = {
-    "model": {"preset": "tiny"},
-    "train": {
-        "device": "cpu",
-        "gpus": 1,
-        "precision": "fp32",
-        "seq_len": 64,
-        "micro_batch": 8,
-        "grad_accum": 1,
-        "max_steps": 8,
-        "eval_every": 8,
-        "eval_batches": 1,
-        "checkpoint_every": 8,
-        "schedule": {"kind": "warmup", "warmup_steps": 2},
-    },
+    **tiny_run(1, 8, seq_len=64, micro_batch=8, grad_accum=1, schedule=WARMUP),
     "evaluate": {"max_windows": 60, "micro_batch": 7, "max_new_tokens": 20},
 }
 
