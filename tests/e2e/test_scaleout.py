@@ -109,7 +109,8 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     assert layouts.auto_layout(auto, 3, "cpu")[:3] == (2, False, False)
     # Buckets as DeepSpeed's 200M (auto's smaller ones on these GPUs would move the 4 GB line).
     medium = params_mod.deep_merge(
-        auto, {"model": {"preset": "medium"}, "train": {"zero": {"reduce_bucket_size": 200_000_000}}}
+        auto,
+        {"model": {"preset": "medium"}, "train": {"zero": {"reduce_bucket_size": 200_000_000}}},
     )
     gb, host = 10**9, 1000 * 10**9
     picks = {mem: layouts.auto_layout(medium, 3, "cuda", mem * gb, host)[:3] for mem in (80, 8, 4)}

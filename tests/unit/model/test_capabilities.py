@@ -26,9 +26,7 @@ def _gpus(capability: tuple[int, int], n: int = 3) -> list[dict]:
 
 
 @pytest.mark.parametrize("capability", list(GPUS))
-def test_every_gate_opens_what_the_gpu_has_and_nothing_hopper_only_below_9(
-    capability, monkeypatch
-):
+def test_every_gate_opens_what_the_gpu_has_and_nothing_hopper_only_below_9(capability, monkeypatch):
     hopper = capability[0] == 9
     gpus = _gpus(capability)
     # The routed experts' grouped GEMM: CUTLASS's (torch) in bf16 on Hopper only; dsflow's

@@ -118,7 +118,9 @@ def test_liger_runs_where_it_supports_the_model(liger_supports):
     with pytest.raises(UsageError, match="model.mtp_depth"):
         hfkernels.check_liger("deepseek_v3", 1)
     # fp16: Liger's unscaled loss gradients would underflow.
-    with pytest.raises(UsageError, match=r"^train\.perf\.liger: true forms .* fp16 underflows them .*liger: false$"):
+    with pytest.raises(
+        UsageError, match=r"^train\.perf\.liger: true forms .* fp16 underflows them .*liger: false$"
+    ):
         hfkernels.check_liger("deepseek_v3", 0, "fp16")
     hfkernels.check_liger("deepseek_v3", 0, "fp32")
 

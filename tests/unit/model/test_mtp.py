@@ -551,14 +551,14 @@ def test_lora_trains_the_mtp_depth_resumes_bit_exactly_and_exports_it(prepared, 
     repo = lora_repo(prepared, tmp_path / "lora", tmp_path / "base")
     proc = dsflow("train", cwd=repo, timeout=900)
     assert "LoRA:" in proc.stderr
-    depth1 = tsv(repo, "train/mtp_loss_1")
+    depth1 = losses(repo, "train/mtp_loss_1")
     assert sorted(depth1) == list(range(1, 7))
 
     resumed = rewound_copy(repo, tmp_path / "resumed", 3)
     proc = dsflow("train", cwd=resumed, timeout=900)
     assert "resumed from step 3" in proc.stderr
-    assert tsv(resumed, "train/loss") == tsv(repo, "train/loss")
-    assert tsv(resumed, "train/mtp_loss_1") == depth1
+    assert losses(resumed, "train/loss") == losses(repo, "train/loss")
+    assert losses(resumed, "train/mtp_loss_1") == depth1
 
     final = repo / "models/final"
     assert_trained_depth(base_state, final, final / "adapter")
@@ -574,6 +574,6 @@ def test_lora_at_zero3_trains_the_mtp_depth(prepared, tmp_path):
     overlay = {"zero_stage": 3, "max_steps": 4, "checkpoint_every": 4, "eval_every": 4}
     repo = lora_repo(prepared, tmp_path / "z3", tmp_path / "base", **overlay)
     dsflow("train", cwd=repo, timeout=900)
-    assert sorted(tsv(repo, "train/mtp_loss_1")) == [1, 2, 3, 4]
+    assert sorted(losses(repo, "train/mtp_loss_1")) == [1, 2, 3, 4]
     final = repo / "models/final"
     assert_trained_depth(mtp.published_state(hf.state_dict()), final, final / "adapter")

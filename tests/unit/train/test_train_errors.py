@@ -11,8 +11,8 @@ from dsflow import checks, dsconfig, machine
 from dsflow.errors import UsageError
 from dsflow.model.build import build_model
 from dsflow.model.presets import model_config
-from dsflow.plan import comm
 from dsflow.params import deep_merge, load
+from dsflow.plan import comm
 from dsflow.train import stage as train
 
 
