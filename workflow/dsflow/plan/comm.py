@@ -61,14 +61,17 @@ class Traffic:
         return self.exposed_s / (self.compute_s + self.exposed_s)
 
 
+def _ring_bytes(params: int, world: int, element_bytes: int) -> float:
+    """Bytes each rank sends in one ring collective over `params` elements."""
+    return 0.0 if world <= 1 else (world - 1) / world * element_bytes * params
+
+
 def bytes_per_step(
     params: int, world: int, zero_stage: int, accum: int, element_bytes: int = 2
 ) -> float:
     """Bytes each rank sends in one step (module docstring; `element_bytes` 4 for fp32 runs,
     whose gradients DeepSpeed reduces in fp32)."""
-    if world <= 1:
-        return 0.0
-    ring = (world - 1) / world * element_bytes * params  # one collective over the buffer
+    ring = _ring_bytes(params, world, element_bytes)
     if zero_stage in (0, 1):
         return 2 * ring
     if zero_stage == 2:
@@ -84,7 +87,7 @@ def reduce_bucket(
     if world <= 1:
         return ONE_RANK_BUCKET
     seconds = TAIL_SHARE * micro_compute_s
-    elements = seconds * gbps * 1e9 / ((world - 1) / world * element_bytes)
+    elements = seconds * gbps * 1e9 / _ring_bytes(1, world, element_bytes)
     return int(min(max(round(elements / 1e6) * 1_000_000, BUCKET_FLOOR), BUCKET_CEILING))
 
 
@@ -111,8 +114,7 @@ def step_traffic(
     FLOPs in a step (all micro-steps), `peak_flops` its GPU's datasheet peak, `bucket` the
     reduce bucket in elements (train.zero.reduce_bucket_size)."""
     sent = bytes_per_step(params, world, zero_stage, accum, element_bytes)
-    # One ring collective over the gradients (or weights), in seconds.
-    ring = 0.0 if world <= 1 else (world - 1) / world * element_bytes * params / (gbps * 1e9)
+    ring = _ring_bytes(params, world, element_bytes) / (gbps * 1e9)  # one collective, seconds
     compute = step_flops / (peak_flops * mfu)
     micro = compute / accum
     backward = BACKWARD_SHARE * micro
@@ -231,16 +233,16 @@ def note(req: Any) -> str | None:
     )
     buckets = f"; reduce buckets of {bucket / 1e6:g}M elements" if z in (1, 2) else ""
     # The card is named once, in the plan's GPU line; an unnamed one is taken as an RTX 4090.
-    return describe(traffic, z, accum) + (
-        f" (peak: {whose} {peak / 1e12:g} TFLOP/s in {req.precision}{buckets}); "
-        + (
-            f"at this micro batch, accumulation {hides} keeps the link under 10% of the step"
-            if hides
-            else "no accumulation keeps the link under 10% of the step at this micro batch "
-            + (
-                f"(ZeRO-{z} sends in every micro-step: a larger micro batch does)"
-                if z >= 2
-                else "(a larger micro batch does)"
-            )
-        )
+    peak_line = f" (peak: {whose} {peak / 1e12:g} TFLOP/s in {req.precision}{buckets}); "
+    return describe(traffic, z, accum) + peak_line + _what_hides(hides, z)
+
+
+def _what_hides(accum: int | None, zero_stage: int) -> str:
+    """The note's last clause: the accumulation that keeps the link under 10% of the step."""
+    if accum:
+        return f"at this micro batch, accumulation {accum} keeps the link under 10% of the step"
+    why = f"ZeRO-{zero_stage} sends in every micro-step: " if zero_stage >= 2 else ""
+    return (
+        "no accumulation keeps the link under 10% of the step at this micro batch "
+        f"({why}a larger micro batch does)"
     )
