@@ -27,6 +27,13 @@ them again, so the variants can run in separate invocations.
 
     python bench/time_to_quality.py --config dense --variants dsflow,baseline --within 0.10
 
+Several configs (`--config moe,moe-mtp1`) run each variant on each, named `config/variant`; that
+is how a model change (one multi-token prediction depth) is measured against the model without
+it. `--evaluate` runs the evaluate stage on each run's model where it stopped (the stopped
+checkpoint exported first): its val loss and, for a model with MTP layers, each depth's top-1
+accuracy and the acceptance rate of greedy self-speculative decoding join the results and a
+second table, beside each run's median step time.
+
 Needs data/raw, data/shards and data/tokenizer of the builtin corpus in the working directory.
 """
 
@@ -36,6 +43,9 @@ import argparse
 import functools
 import json
 import math
+import shutil
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -112,8 +122,9 @@ def run_variant(
     the first validation within the target (the later steps would not change the figure) or
     once its training time passes --max-seconds. `progress(curves)` is called at each new
     validation, so a bench stopped from outside keeps the curves so far."""
+    config, vname = split_name(name, args)
     overlay = tt.deep_merge(
-        tt.variant(name), {"eval_every": args.eval_every, "eval_batches": args.eval_batches}
+        tt.variant(vname), {"eval_every": args.eval_every, "eval_batches": args.eval_batches}
     )
     live = Path("dvclive/plots/metrics")
 
@@ -133,9 +144,81 @@ def run_variant(
         over_time = args.max_seconds and sum(run["step_s"].values()) > args.max_seconds
         return bool(over_time) or reached(run, target, per) is not None
 
-    config = tt.CONFIGS[args.config]
-    r = tt.run_stage(f"ttq-{name}", config, overlay, args.steps, out, False, until=there)
+    stage_name = f"ttq-{name.replace('/', '-')}"
+    r = tt.run_stage(stage_name, tt.CONFIGS[config], overlay, args.steps, out, False, until=there)
     return r if r.get("failed") else {**r, **curves()}
+
+
+def split_name(name: str, args: argparse.Namespace) -> tuple[str, str]:
+    """(config, variant) of a run's name: `config/variant`, or a variant of the one config."""
+    if "/" in name:
+        config, vname = name.split("/", 1)
+        return config, vname
+    return args.config, name
+
+
+def run_names(args: argparse.Namespace) -> list[str]:
+    """The runs, in order: each variant on each config; `config/variant` when there are
+    several configs, so a run's name says which model it trained."""
+    configs = args.config.split(",")
+    unknown = [c for c in configs if c not in tt.CONFIGS]
+    if unknown:
+        raise SystemExit(f"--config: unknown {', '.join(unknown)}; from: {', '.join(tt.CONFIGS)}")
+    variants = args.variants.split(",")
+    if len(configs) == 1:
+        return variants
+    return [f"{c}/{v}" for c in configs for v in variants]
+
+
+def evaluated(r: dict) -> dict:
+    """The evaluate stage on the model a run left: its stopped checkpoint exported to
+    models/final first (the train stage exports only at its last step), with the run's own
+    params overlay. metrics/eval.json's numbers, or {"eval_failed": why}."""
+    overlay = Path(r["log"]).parent / "overlay.yaml"
+    stage = [sys.executable, "-m", "dsflow", "--profile", str(overlay)]
+    steps = {"evaluate": [*stage, "evaluate"]}
+    if r.get("stopped"):
+        shutil.rmtree("models/final", ignore_errors=True)
+        export = [*stage, "export", "--dtype", "bf16", "--out", "models/final"]
+        steps = {"export": export, **steps}
+    for what, cmd in steps.items():
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+            return {"eval_failed": f"{what} failed: {' | '.join(tail)}"}
+    return {"eval": json.loads(Path("metrics/eval.json").read_text())}
+
+
+def step_median(run: dict, skip: int = 10) -> float | None:
+    """The median step time past the first `skip` steps (compilation, allocator warm-up)."""
+    steady = [s for k, s in run.get("step_s", {}).items() if k > skip]
+    return statistics.median(steady) if steady else None
+
+
+def eval_table(runs: dict) -> str:
+    """Markdown: each run's median step time (and its cost over the first run's), and what the
+    evaluate stage measured on its model: val loss, and per MTP depth the head's top-1
+    accuracy and the speculative acceptance rate, with the speed-up they imply."""
+    names = [n for n, r in runs.items() if not r.get("failed")]
+    first = step_median(runs[names[0]]) if names else None
+    head = "| run | step ms | vs first | val loss | val bits/byte | MTP top-1 (t+2) | accepted "
+    head += "/ draft | speed-up |"
+    rows = [head, "|" + "---|" * 8]
+    for name in names:
+        r, e = runs[name], runs[name].get("eval", {})
+        step = step_median(r)
+        cells = [
+            name,
+            f"{1e3 * step:.1f}" if step else "n/a",
+            f"{step / first - 1:+.1%}" if step and first else "",
+            f"{e['val_loss']:.4f}" if "val_loss" in e else r.get("eval_failed", "n/a"),
+            f"{e['bits_per_byte']:.4f}" if "bits_per_byte" in e else "",
+            f"{e['mtp_top1_accuracy_1']:.3f}" if "mtp_top1_accuracy_1" in e else "",
+            f"{e['speculative_acceptance_1']:.3f}" if "speculative_acceptance_1" in e else "",
+            f"{e['speculative_speedup']:.2f}x" if "speculative_speedup" in e else "",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def stop_level(first: dict, target: float, floor: float, per_token: float, margins) -> float:
@@ -189,7 +272,12 @@ def plot(runs: dict, floor: float, target: float, per_token: float, path: Path) 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="dense", choices=sorted(tt.CONFIGS))
+    ap.add_argument(
+        "--config",
+        default="dense",
+        help="a config, or several (comma-separated): each variant "
+        f"runs on each, named config/variant; from: {', '.join(tt.CONFIGS)}",
+    )
     ap.add_argument("--variants", default="dsflow,baseline", help="the first sets the levels")
     ap.add_argument("--within", type=float, default=0.10, help="margin over the floor")
     ap.add_argument("--steps", type=int, default=1500, help="the longest a variant trains")
@@ -199,6 +287,12 @@ def parse_args() -> argparse.Namespace:
         "--max-seconds", type=float, default=0, help="stop a variant past this training time"
     )
     ap.add_argument("--out", default="bench-out")
+    ap.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="run the evaluate stage on each run's model (val loss; MTP accuracy and "
+        "speculative acceptance where the model has MTP layers)",
+    )
     ap.add_argument(
         "--reuse",
         action="store_true",
@@ -230,7 +324,7 @@ def main() -> int:
     }  # fmt: skip
     done_before = finished_runs(out / "time_to_quality.json", results) if args.reuse else {}
     level = target
-    for i, name in enumerate(args.variants.split(",")):
+    for i, name in enumerate(run_names(args)):
         if usable(done_before.get(name), level, per_token, args.steps):
             print(f"{name}: taken from {out / 'time_to_quality.json'}")
             r = done_before[name]
@@ -239,6 +333,8 @@ def main() -> int:
             print(f"running {name} ...{until}", flush=True)
             save = functools.partial(keep_partial, results, name, out / "time_to_quality.json")
             r = run_variant(name, args, out, level, per_token, progress=save)
+            if args.evaluate and not r.get("failed"):
+                r = {**r, **evaluated(r)}
         hit = None if r.get("failed") else reached(r, target, per_token)
         done = {} if r.get("failed") else milestones(r, floor, per_token, margins)
         results["runs"][name] = {**r, "reached": hit, "milestones": done}
@@ -248,6 +344,8 @@ def main() -> int:
             level = stop_level(r, target, floor, per_token, margins)
     runs = results["runs"]
     summary = table(runs, floor, per_token, margins)
+    if args.evaluate:
+        summary += "\n\n" + eval_table(runs)
     (out / "time_to_quality.md").write_text(summary + "\n")
     plot(runs, floor, target, per_token, out / "time_to_quality.png")
     print(summary)

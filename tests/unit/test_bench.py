@@ -399,6 +399,47 @@ def test_time_to_quality_is_the_training_time_of_the_first_validation_at_the_tar
     assert "(1.0% over) at step 30" in out and "times;" not in out
 
 
+def test_time_to_quality_runs_each_variant_on_each_config_and_evaluates_them(
+    prepared, tmp_path, monkeypatch, capsys
+):
+    """--config moe,moe-mtp1 (a model change measured against the model without it): the runs
+    are named config/variant and train their own config; --evaluate adds the evaluate stage's
+    numbers and each run's median step time, with its cost over the first run's."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import time_to_quality as ttq
+
+    monkeypatch.chdir(prepared)
+    per_token = ttq.bytes_per_token()
+    nats = ttq.entropy_floor() * 1.05 * math.log(2) * per_token
+    trained = []
+
+    def fake_run(name, args, out, target, per, progress):
+        config, vname = ttq.split_name(name, args)
+        trained.append((config, vname))
+        step = 0.11 if config == "moe-mtp1" else 0.10
+        return {"val_loss": {20: nats}, "step_s": {s: step for s in range(1, 21)}, "wall_s": 9.0}
+
+    def fake_eval(r):
+        mtp = {"mtp_top1_accuracy_1": 0.41, "speculative_acceptance_1": 0.62}
+        extra = {**mtp, "speculative_speedup": 1.45} if r["step_s"][1] > 0.10 else {}
+        return {"eval": {"val_loss": 1.2345, "bits_per_byte": 0.4567, **extra}}
+
+    monkeypatch.setattr(ttq, "run_variant", fake_run)
+    monkeypatch.setattr(ttq, "evaluated", fake_eval)
+    argv = ["x", "--config", "moe,moe-mtp1", "--variants", "dsflow", "--evaluate"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(tmp_path)])
+    assert ttq.main() == 0
+    assert trained == [("moe", "dsflow"), ("moe-mtp1", "dsflow")]
+    out = capsys.readouterr().out
+    assert "| moe/dsflow | 100.0 | +0.0% | 1.2345 | 0.4567 |  |  |  |" in out
+    assert "| moe-mtp1/dsflow | 110.0 | +10.0% | 1.2345 | 0.4567 | 0.410 | 0.620 | 1.45x |" in out
+    saved = json.loads((tmp_path / "time_to_quality.json").read_text())
+    assert saved["runs"]["moe-mtp1/dsflow"]["eval"]["speculative_acceptance_1"] == 0.62
+    monkeypatch.setattr(sys, "argv", ["x", "--config", "moe,nope", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--config: unknown nope"):
+        ttq.main()
+
+
 def test_a_run_is_judged_against_dsflow_over_the_steps_asked_for(
     bench, monkeypatch, tmp_path, capsys
 ):
