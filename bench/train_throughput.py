@@ -169,6 +169,8 @@ VARIANTS = {
     # each step's numbers read at once (a host sync per step), not one step late
     "sync-metrics": {"perf": {"async_metrics": False}},
     "no-overlap": {"zero": {"overlap_comm": False}},
+    # DeepSpeed's ZeRO-1/2 bf16 step with its host syncs (train.perf.device_step off)
+    "no-device-step": {"perf": {"device_step": False}},
     # the classic setup's levers: fp16 with dynamic loss scaling, gradient accumulation
     "fp16": {"precision": "fp16"},
     "accum2": {"grad_accum": 2},

@@ -3,6 +3,7 @@ and the prepared project the stage tests copy."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -199,6 +200,25 @@ def wait_for(predicate, timeout: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def rank_script(tmp_path: Path, script: str, device: str, *args: str) -> dict:
+    """`script` (one rank's code) on 3 gloo ranks on CPU, or one rank on a GPU, through
+    torch.distributed.run; its argv: the device's name and `args`, then the path rank 0 writes
+    its JSON to, returned."""
+    from dsflow.launch import free_port
+
+    path, out = tmp_path / "rank.py", tmp_path / "out.json"
+    path.write_text(script)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": device}
+    ranks = "3" if device == "cpu" else "1"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks,
+        "--master-port", str(free_port()), str(path), device, *args, str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 def dsflow(*args: str, cwd: Path, check: bool = True, **kw) -> subprocess.CompletedProcess:

@@ -159,6 +159,20 @@ def for_client_optimizer(cfg: dict, built: dict, source: str | None = None) -> d
     return cfg
 
 
+def for_device_step(cfg: dict, built: dict, source: str | None = None) -> dict:
+    """The config for train.perf.device_step (dsflow.train.devicestep): dsflow brings torch's
+    fused AdamW as the client optimizer, so DeepSpeed gets no optimizer section; bf16,
+    clipping and the scheduler stay DeepSpeed's. An optimizer set in the user's file
+    (`source`) would be dropped: an error."""
+    if cfg.get("optimizer") != built.get("optimizer"):
+        raise UsageError(
+            f"{source or 'train.ds_config'}: optimizer is set there, but train.perf.device_step "
+            "brings torch's fused AdamW (train.optimizer); set it in params.yaml, or "
+            "train.perf.device_step: false"
+        )
+    return {k: v for k, v in cfg.items() if k != "optimizer"}
+
+
 def check_offload(train: dict, device_type: str) -> None:
     """What DeepSpeed 0.19 accepts, checked before launch (DeepSpeed fails late and obscurely)."""
     stage, off = train["zero_stage"], train["offload"]

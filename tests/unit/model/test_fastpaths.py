@@ -51,7 +51,7 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
     fast = fastpaths.Perf(
         True, "flash_padded", 8192, True, False, fused_grad_checks=True, experts="sorted",
-        experts_fallback=True, async_metrics=True,
+        experts_fallback=True, async_metrics=True, device_step=True,
     )  # fmt: skip
     assert fastpaths.resolve(auto, "cuda") == fast
     assert not fastpaths.resolve({**auto, "async_metrics": False}, "cuda").async_metrics

@@ -4,15 +4,13 @@ whose ZeRO partitions split parameters, for ZeRO-1 and ZeRO-2, bf16 and fp32."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import needs_cuda
-from dsflow.launch import free_port
+from conftest import needs_cuda, rank_script
 
 pytestmark = pytest.mark.slow  # several processes each
 
@@ -26,7 +24,7 @@ RANK_SCRIPT = textwrap.dedent(
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from dsflow.train import fusedgrads
 
-    stage, precision, device, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    device, stage, precision, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     assert deepspeed.get_accelerator().device_name() == device, "DS_ACCELERATOR disagrees"
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -116,18 +114,7 @@ RANK_SCRIPT = textwrap.dedent(
     ],
 )
 def test_fused_checks_match_deepspeed(stage, precision, device, tmp_path):
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    out = tmp_path / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": device}
-    ranks = "3" if device == "cpu" else "1"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks,
-        "--master-port", str(free_port()), str(script), str(stage), precision, device, str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = rank_script(tmp_path, RANK_SCRIPT, device, str(stage), precision)
     assert r["plain"][0] is False and r["fused"][0] is False
     assert r["fused"][1] == pytest.approx(r["plain"][1], rel=1e-6)
     assert r["plain"][1] > 0

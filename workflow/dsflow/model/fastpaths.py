@@ -45,6 +45,10 @@
   ZeRO-0 in bf16 only (it partitions nothing; `zero_stage: auto` picks ZeRO-0 where it is
   wanted). `auto` = fused on one GPU, where it is faster than DeepSpeed's ZeRO-1
   (docs/performance.md); DeepSpeed's on several GPUs (unmeasured there) and CPU.
+- `device_step`: DeepSpeed's ZeRO-1/2 optimizer step in bf16 without the host syncs of its
+  overflow check and clipping (dsflow.train.devicestep): torch's fused AdamW inside it skips a
+  non-finite step on the device. `auto` = on for CUDA where it applies (ZeRO-1/2, bf16,
+  DeepSpeed's optimizer without offload, no train.ds_config file merged).
 - `async_metrics`: each step's numbers (loss, gradient norm, expert counts, memory, the stop
   flag) are read back one step late (dsflow.train.metrics), so the host queues the next step
   while the GPU finishes this one instead of waiting for it (docs/performance.md). `auto` = on
@@ -116,6 +120,7 @@ class Perf:
     async_metrics: bool = (
         False  # each step's numbers read back one step late (dsflow.train.metrics)
     )
+    device_step: bool = False  # ZeRO-1/2 bf16 step decided on the device (train.devicestep)
     fp8: str = "off"  # "off" | a dsflow.model.float8 recipe: "tensorwise" | "rowwise"
     fp8_linears: int = 0  # how many linears apply() turned into float8 ones
     fp8_experts: bool = False  # the routed experts' grouped GEMMs in FP8 (sorted experts)
@@ -125,6 +130,11 @@ class Perf:
     def hooks_traced(self) -> bool:
         """The balancer's router hooks go into the compiled graphs (fastpaths.apply)."""
         return self.compile and self.compile_router_hooks and not self.activation_checkpointing
+
+    def _optimizer_words(self) -> str:
+        if self.optimizer == "fused":
+            return "fused AdamW (fp32 masters)"
+        return "DeepSpeed's, its step on the device" if self.device_step else "DeepSpeed"
 
     def describe(self) -> str:
         return (
@@ -136,7 +146,7 @@ class Perf:
             f"fused gradient checks {'on' if self.fused_grad_checks else 'off'}, "
             f"experts {self.experts}{' where it applies' if self.experts_fallback else ''}, "
             f"router hooks {'compiled' if self.hooks_traced else 'eager'}, "
-            f"optimizer {'fused AdamW (fp32 masters)' if self.optimizer == 'fused' else 'DeepSpeed'}, "
+            f"optimizer {self._optimizer_words()}, "
             f"step metrics {'read one step late' if self.async_metrics else 'read at once'}, "
             f"FP8 {f'{self.fp8} on {self.fp8_linears} linears' if self.fp8 != 'off' else 'off'}"
             f"{', FP8 routed experts (rowwise)' if self.fp8_experts else ''}"
@@ -190,6 +200,9 @@ def resolve(
     experts = ("sorted" if cuda and tested else "hf") if experts_auto else perf["experts"]
     if liger:
         experts = _liger_experts(perf)
+    optimizer = optimizer_choice(
+        perf, zero_stage, precision, optimizer_offload, cuda, world, user_config
+    )
     return Perf(
         compile=compile_,
         attention=attention,
@@ -202,8 +215,9 @@ def resolve(
         experts_fallback=experts_auto and experts == "sorted",
         liger=liger,
         compile_router_hooks=bool(perf.get("compile_router_hooks", True)),
-        optimizer=optimizer_choice(
-            perf, zero_stage, precision, optimizer_offload, cuda, world, user_config
+        optimizer=optimizer,
+        device_step=device_step_choice(
+            perf, zero_stage, precision, optimizer, optimizer_offload, cuda, user_config
         ),
         async_metrics=bool(pick("async_metrics", True, False)),
         fp8=fp8_choice(perf, zero_stage, precision),
@@ -288,6 +302,37 @@ def optimizer_choice(
             f"ZeRO-{zero_stage}, {precision}); set those, or train.perf.optimizer: deepspeed"
         )
     return value
+
+
+def device_step_choice(
+    perf: dict,
+    zero_stage: int,
+    precision: str,
+    optimizer: str,
+    optimizer_offload: bool,
+    cuda: bool,
+    user_config: bool,
+) -> bool:
+    """`train.perf.device_step`: on for CUDA where it applies; `true` insists (CPU too: the
+    tests), `false` never. A merged train.ds_config file keeps DeepSpeed's own step under auto
+    (its settings are for DeepSpeed's optimizer)."""
+    value = perf.get("device_step", "auto")
+    fits = (
+        zero_stage in (1, 2)
+        and precision == "bf16"
+        and optimizer == "deepspeed"
+        and not optimizer_offload
+    )
+    if value == "auto":
+        return fits and cuda and not user_config
+    if value and not fits:
+        raise UsageError(
+            "train.perf.device_step: true needs train.zero_stage 1 or 2, train.precision bf16, "
+            "train.perf.optimizer deepspeed and no optimizer offload (this run has "
+            f"ZeRO-{zero_stage}, {precision}, optimizer {optimizer}"
+            f"{', optimizer offload' if optimizer_offload else ''}); set it to auto or false"
+        )
+    return bool(value)
 
 
 def fused_grad_checks(perf: dict, zero_stage: int, optimizer_offload: bool, cuda: bool) -> bool:

@@ -839,6 +839,9 @@ def _load(run: Any, spec: Any) -> dict:
         )
     if client is None:
         raise ValueError("DeepSpeed found no checkpoint to load")
+    from dsflow.train import devicestep  # torch: the ranks' side only
+
+    devicestep.after_load(run.engine.optimizer)
     if len(client["rng"]) == spec.world:
         set_rng_state(client["rng"][run.rank])
     if "expert_bias" in client:

@@ -18,7 +18,7 @@ from dsflow.model.balance import ExpertBalancer
 from dsflow.model.build import build_model
 from dsflow.model.loss import TrainingLM, evaluate_loss
 from dsflow.model.presets import model_config
-from dsflow.train import fusedgrads
+from dsflow.train import devicestep, fusedgrads
 from dsflow.train.masteradam import MasterAdamW
 from dsflow.train.metrics import all_sum
 from dsflow.train.runspec import RunSpec
@@ -48,9 +48,17 @@ class Run:
 
     @property
     def applied_on_device(self) -> bool:
-        """The fused optimizer's kernel path decides on the device whether it took a step (no
-        host sync); the engine is not told."""
+        """The fused optimizer's kernel path, or DeepSpeed's step with train.perf.device_step,
+        decides on the device whether it took a step (no host sync); the engine is not told."""
+        if self.perf.device_step:
+            return True
         return self.optimizer is not None and self.optimizer._triton(self.device)
+
+    def applied(self) -> torch.Tensor | None:
+        """With applied_on_device: whether the last step was taken, a bool on the device."""
+        if self.perf.device_step:
+            return devicestep.applied(self.engine.optimizer)
+        return self.optimizer.applied
 
     def validate(self, spec: RunSpec, reader: ShardReader) -> float:
         """Mean validation loss over every rank's share of train.eval_batches batches."""
@@ -99,9 +107,12 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
     trainee = _universal(trainee)
     trainable = [p for p in trainee.parameters() if p.requires_grad]
     optimizer = _fused_optimizer(trainee, trainable, spec) if perf.optimizer == "fused" else None
+    client = devicestep.optimizer(trainable, spec.optimizer) if perf.device_step else optimizer
     engine, _, _, _ = deepspeed.initialize(
-        model=trainee, model_parameters=trainable, optimizer=optimizer, config=spec.ds_config
+        model=trainee, model_parameters=trainable, optimizer=client, config=spec.ds_config
     )
+    if perf.device_step:
+        devicestep.install(engine.optimizer)
     if engine.fp16_enabled():
         # The fused loss forms its gradients at the scale of the coming backward (a float on
         # the host: no sync).

@@ -379,7 +379,7 @@ class Meter:
         if loss.dim():  # multi-token prediction: [loss, main loss, each depth's loss]
             parts, loss = {"main": loss[1], "mtp": loss[2:]}, loss[0]
         if run.applied_on_device:
-            applied = run.optimizer.applied
+            applied = run.applied()
         else:
             applied = bool(run.engine.was_step_applied())
         if applied is False:

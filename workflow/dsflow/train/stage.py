@@ -147,6 +147,8 @@ def resolve_run(params: dict) -> dict:
         fastpaths.check_fp8_experts_machine(device, machine.gpus() if device == "cuda" else [])
     if perf.optimizer == "fused":
         ds_config = dsconfig.for_client_optimizer(ds_config, built, train["ds_config"])
+    if perf.device_step:
+        ds_config = dsconfig.for_device_step(ds_config, built, train["ds_config"])
     # Every shard's sha256 is checked here, once, so a corrupted shard is one line naming the
     # file, not a traceback from every rank (the ranks then skip the check).
     shards = ":".join(
