@@ -296,6 +296,24 @@ def test_persistent_nan_loss_stops_and_keeps_the_last_good_checkpoint(nan_loss, 
 
 
 @pytest.mark.slow
+def test_the_device_step_skips_nan_updates_and_stops_after_max_bad_steps(prepared, tmp_path):
+    """train.perf.device_step (bf16 ZeRO-2, 2 CPU ranks): a NaN loss from step 3 on is skipped
+    on the device, the skip reaches the run's health bookkeeping (the device's verdict, read
+    back), and two in a row stop the run in one line."""
+    repo = train_copy(prepared, tmp_path / "repo")
+    run_params = tiny_run(2, 6, precision="bf16", zero_stage=2, max_bad_steps=2)
+    update_params(repo, {"train": {**run_params["train"], "perf": {"device_step": True}}})
+    run = train(repo, {"DSFLOW_FAULT_NAN_FROM_STEP": "3"})
+    assert run.proc.returncode == 2, run.proc.stderr[-3000:]
+    assert "its step on the device" in run.proc.stderr
+    line = last_line(run.proc)
+    assert "loss was non-finite (nan) for 2 consecutive step(s) (steps 3-4" in line
+    assert "their updates were skipped" in line
+    assert run.skipped[2] == 0 and run.skipped[3] == 1 and run.skipped[4] == 2
+    assert 3 not in run.loss and 4 not in run.loss
+
+
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_the_next_step_boundary(signalled, finished, baseline):
     run = signalled
     assert run.code == 128 + signal.SIGTERM, run.stderr[-3000:]
