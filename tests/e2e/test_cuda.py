@@ -451,3 +451,22 @@ def test_cuda_numbers_read_one_step_late_are_the_numbers_read_at_once(
     assert sorted(step_s) == sorted(losses(late)) and min(step_s.values()) > 0
     metrics = json.loads((late / "metrics/train.json").read_text())
     assert sum(step_s.values()) <= metrics["wall_s"]
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_memory_by_stream_names_each_streams_pool():
+    """The profiler's memory table: memory allocated on a side stream is its own pool."""
+    import torch
+
+    from dsflow.train.diagnostics import memory_by_stream
+
+    side = torch.cuda.Stream()
+    main = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(side):
+        other = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    table = memory_by_stream().splitlines()
+    streams = [line.split()[0] for line in table[1:] if line.split()[0].isdigit()]
+    assert len(set(streams)) >= 2, table
+    assert any(line.startswith("reserved_bytes: now") for line in table)
+    assert main.numel() and other.numel()

@@ -97,6 +97,8 @@ class StepProfiler:
             f.write(events.table(sort_by=key, row_limit=40, max_name_column_width=70))
             f.write("\n" + kernel_kinds(kernels, steps) + "\n")
             f.write("\n" + self.idle_by_phase(steps) + "\n")
+            if self.device_type == "cuda":
+                f.write("\n" + memory_by_stream() + "\n")
         self.prof.export_chrome_trace(f"{self.path}.trace.json.gz")  # gzipped by the suffix
         self.prof = None
 
@@ -124,6 +126,31 @@ class StepProfiler:
                 f"{waits / steps:>10.1f}"
             )
         return "\n".join(lines)
+
+
+def memory_by_stream() -> str:
+    """What the caching allocator holds, per CUDA stream (each stream has its own pool: memory
+    freed on one is not reused by another's allocations) and in all: reserved, allocated, the
+    peaks, and the free parts of partly used blocks (fragmentation). Where the planner's figure
+    and torch.cuda.max_memory_reserved part, this says which pool kept the difference."""
+    gb = 1e9
+    pools: dict[int, list[int]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        pool = pools.setdefault(seg["stream"], [0, 0, 0])
+        pool[0] += seg["total_size"]
+        pool[1] += seg["allocated_size"]
+        pool[2] += 1
+    stats = torch.cuda.memory_stats()
+    lines = [f"{'stream':<18} {'reserved GB':>11} {'allocated GB':>12} {'segments':>8}"]
+    for stream, (reserved, allocated, count) in sorted(pools.items()):
+        lines.append(f"{stream:<18} {reserved / gb:>11.2f} {allocated / gb:>12.2f} {count:>8}")
+    for key in ("reserved_bytes", "allocated_bytes", "inactive_split_bytes"):
+        lines.append(
+            f"{key}: now {stats[f'{key}.all.current'] / gb:.2f} GB, peak "
+            f"{stats[f'{key}.all.peak'] / gb:.2f} GB"
+        )
+    lines.append(f"allocation retries {stats['num_alloc_retries']}, OOMs {stats['num_ooms']}")
+    return "\n".join(lines)
 
 
 # CUDA runtime calls in which the host waits for the device (`.item()`, `.tolist()`, a
