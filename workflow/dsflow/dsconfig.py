@@ -164,12 +164,24 @@ def for_device_step(cfg: dict, built: dict, source: str | None = None) -> dict:
     fused AdamW as the client optimizer, so DeepSpeed gets no optimizer section; bf16,
     clipping and the scheduler stay DeepSpeed's. An optimizer set in the user's file
     (`source`) would be dropped: an error."""
+    where = source or "train.ds_config"
     if cfg.get("optimizer") != built.get("optimizer"):
         raise UsageError(
-            f"{source or 'train.ds_config'}: optimizer is set there, but train.perf.device_step "
-            "brings torch's fused AdamW (train.optimizer); set it in params.yaml, or "
-            "train.perf.device_step: false"
+            f"{where}: optimizer is set there, but train.perf.device_step brings torch's fused "
+            "AdamW (train.optimizer); set it in params.yaml, or train.perf.device_step: false"
         )
+    # Either makes DeepSpeed build another step: BF16_Optimizer, or one without a norm to
+    # decide the skip from.
+    zero = cfg.get("zero_optimization", {})
+    for key, bad in (
+        ("data_types", cfg.get("data_types") != built.get("data_types")),
+        ("zero_optimization.compute_grad_norm", zero.get("compute_grad_norm", True) is False),
+    ):
+        if bad:
+            raise UsageError(
+                f"{where}: {key} is set there, which train.perf.device_step cannot take; "
+                "remove it, or set train.perf.device_step: false"
+            )
     return {k: v for k, v in cfg.items() if k != "optimizer"}
 
 

@@ -39,6 +39,8 @@ RANK_SCRIPT = textwrap.dedent(
             "train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": 1, "gradient_clipping": 0.5,
             "bf16": {"enabled": True},
+            # as dsflow's config has it: the throughput timer synchronizes in every forward
+            "timers": {"throughput": {"enabled": False}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 500,
                                   "overlap_comm": True, "contiguous_gradients": True},
         }
@@ -78,16 +80,24 @@ RANK_SCRIPT = textwrap.dedent(
             return real(self, *a, **k)
         return real, wrapper
 
+    accelerator = type(deepspeed.get_accelerator())
+    real_sync = accelerator.synchronize
+    def counted_sync(self, *a, **k):
+        syncs.append("synchronize")
+        return real_sync(self, *a, **k)
+
     def counted(eng, i):
         reals = {}
         for name in ("item", "__bool__", "tolist", "__float__", "__int__"):
             reals[name], wrapper = counting(name)
             setattr(torch.Tensor, name, wrapper)
+        accelerator.synchronize = counted_sync
         try:
             step(eng, i)
         finally:
             for name, real in reals.items():
                 setattr(torch.Tensor, name, real)
+            accelerator.synchronize = real_sync
         found = list(syncs)
         syncs.clear()
         return found
@@ -126,6 +136,22 @@ RANK_SCRIPT = textwrap.dedent(
     a, b = state(plain), state(resumed)
     results["resumed_diff"] = max(float((x - y).abs().max()) for x, y in zip(a[0], b[0]))
     results["resumed_steps"] = [a[2], b[2]]
+    # ... and the other way: a checkpoint of the device step, resumed by DeepSpeed's own step
+    # (its optimizer's own settings, not the fused ones the checkpoint's groups carry).
+    resumed.save_checkpoint(ckpt, tag="u")
+    back = engine(False)
+    back.load_checkpoint(ckpt, tag="u")
+    devicestep.after_load(back.optimizer)
+    results["back_fused"] = bool(back.optimizer.optimizer.param_groups[0].get("fused"))
+    step(resumed, 21)
+    step(back, 21)
+    a, b = state(resumed), state(back)
+    results["back_diff"] = max(float((x - y).abs().max()) for x, y in zip(a[0], b[0]))
+    results["back_steps"] = [a[2], b[2]]
+    results["epilogue_swapped"] = (
+        fast.optimizer.independent_gradient_partition_epilogue.__func__
+        is devicestep._epilogue_with_a_stream_wait
+    )
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -158,6 +184,11 @@ def test_device_step_trains_as_deepspeed_and_skips_bad_steps_without_a_host_sync
         }, poison  # fmt: skip
     assert r["applied_again"] is True
     assert r["resumed_diff"] < 1e-6 and r["resumed_steps"][0] == r["resumed_steps"][1]
+    assert r["back_diff"] < 1e-6 and r["back_steps"][0] == r["back_steps"][1]
+    assert r["back_fused"] is False
+    # With overlap_comm the epilogue waits on the reduction stream instead of the device
+    # (DeepSpeed's CPU accelerator has no reduction stream: nothing to replace there).
+    assert r["epilogue_swapped"] is (device == "cuda")
 
 
 def test_after_load_gives_each_optimizer_its_own_step_type():
@@ -180,13 +211,20 @@ def test_after_load_gives_each_optimizer_its_own_step_type():
     fused.step()
     assert float(fused.state[p]["step"]) == 8.0
 
-    class IntSteps(torch.optim.SGD):
-        pass
+    class FusedAdamLike(torch.optim.Optimizer):
+        """DeepSpeed's FusedAdam as far as loading goes: an int step, bias_correction in its
+        groups (torch's AdamW groups lack it)."""
 
-    other = IntSteps([p], lr=0.1)
-    other.state[p] = {"step": torch.tensor(5.0)}
+        def __init__(self, params):
+            super().__init__(params, {"lr": 1e-3, "bias_correction": True})
+
+    saved = fused.state_dict()
+    other = FusedAdamLike([p])
+    other.load_state_dict(saved)
+    assert "bias_correction" not in other.param_groups[0]  # torch took the saved group
     devicestep.after_load(type("Zero", (), {"optimizer": other})())
-    assert other.state[p]["step"] == 5 and isinstance(other.state[p]["step"], int)
+    assert other.param_groups[0]["bias_correction"] is True
+    assert other.state[p]["step"] == 8 and isinstance(other.state[p]["step"], int)
 
 
 @pytest.mark.parametrize(
@@ -229,3 +267,10 @@ def test_a_user_ds_config_optimizer_is_refused_with_the_device_step():
     user = {**built, "optimizer": {"type": "Lamb"}}
     with pytest.raises(UsageError, match="ds.json: optimizer is set there.*device_step: false"):
         dsconfig.for_device_step(user, built, "ds.json")
+    # Settings that make DeepSpeed build another step, or one without a norm to skip on.
+    fp32_accum = {**built, "data_types": {"grad_accum_dtype": "fp32"}}
+    with pytest.raises(UsageError, match="ds.json: data_types is set there"):
+        dsconfig.for_device_step(fp32_accum, built, "ds.json")
+    no_norm = {**built, "zero_optimization": {"stage": 2, "compute_grad_norm": False}}
+    with pytest.raises(UsageError, match="zero_optimization.compute_grad_norm is set there"):
+        dsconfig.for_device_step(no_norm, built, "ds.json")

@@ -48,10 +48,29 @@ def optimizer(params: list, opt: dict) -> torch.optim.AdamW:
 
 def install(zero_optimizer) -> None:
     """Take the step's decisions on the device in a DeepSpeedZeroOptimizer (bf16, torch's fused
-    AdamW inside, no CPU offload; the train stage checked all three)."""
+    AdamW inside, no CPU offload, a gradient norm computed: the train stage checked them; a
+    ds_config that makes DeepSpeed build another optimizer wrapper fails here, in one line)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if type(zero_optimizer) is not DeepSpeedZeroOptimizer:
+        raise ValueError(
+            f"train.perf.device_step: DeepSpeed built {type(zero_optimizer).__name__}, not its "
+            "ZeRO-1/2 optimizer (a train.ds_config setting such as data_types.grad_accum_dtype?); "
+            "set train.perf.device_step: false"
+        )
     inner = zero_optimizer.optimizer
-    if not (isinstance(inner, torch.optim.AdamW) and inner.defaults.get("fused")):
-        raise ValueError(f"device_step needs torch's fused AdamW, not {type(inner).__name__}")
+    unfit = {
+        "torch's fused AdamW inside": isinstance(inner, torch.optim.AdamW)
+        and inner.defaults.get("fused"),
+        "no CPU offload": not zero_optimizer.cpu_offload,
+        "a gradient norm (zero_optimization.compute_grad_norm)": zero_optimizer.compute_grad_norm,
+        "no autocast GradScaler": zero_optimizer.torch_autocast_gradscaler is None,
+    }
+    missing = [what for what, ok in unfit.items() if not ok]
+    if missing:
+        raise ValueError(
+            f"train.perf.device_step needs {', '.join(missing)}; set train.perf.device_step: false"
+        )
     zero_optimizer.check_grad_overflow = False
     zero_optimizer.dsflow_applied = None
     zero_optimizer.unscale_and_clip_grads = types.MethodType(_unscale_and_clip, zero_optimizer)
@@ -88,7 +107,7 @@ def _epilogue_with_a_stream_wait(self) -> None:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     accelerator, stream = get_accelerator(), self.reduction_stream
-    accelerator.synchronize = lambda *_: accelerator.current_stream().wait_stream(stream)
+    accelerator.synchronize = lambda *_, **__: accelerator.current_stream().wait_stream(stream)
     try:
         DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue(self)
     finally:
@@ -96,28 +115,30 @@ def _epilogue_with_a_stream_wait(self) -> None:
 
 
 def after_load(zero_optimizer) -> None:
-    """A loaded optimizer state as its optimizer keeps it: DeepSpeed's FusedAdam counts steps in
-    a Python int, torch's fused AdamW in a tensor on the parameter's device (and a state that
-    came through torch's load_state_dict takes the saved groups' settings, so the group is told
-    again that it is fused). Lets a run resume across train.perf.device_step."""
+    """A loaded optimizer state as the loading optimizer keeps it, so that a run resumes across
+    train.perf.device_step. torch's load_state_dict hands the saved groups' settings to the
+    loading optimizer: its own implementation settings are put back (torch's fused, foreach
+    and capturable flags; FusedAdam's bias_correction, which torch's groups lack). The step
+    count: DeepSpeed's FusedAdam counts in a Python int, torch's fused AdamW in a float32
+    tensor on the parameter's device, torch's other AdamW paths in one on the host."""
     inner = getattr(zero_optimizer, "optimizer", None)
     if not isinstance(inner, torch.optim.Optimizer):
         return
-    fused = isinstance(inner, torch.optim.AdamW) and inner.defaults.get("fused")
+    flags = ("fused", "foreach", "capturable")
     for group in inner.param_groups:
-        if fused:
-            group.update(fused=True, foreach=None, capturable=False)
+        for key, value in inner.defaults.items():
+            if key in flags or key not in group:
+                group[key] = value
         for p in group["params"]:
             state = inner.state.get(p, {})
             if "step" in state:
-                state["step"] = _step_for(inner, p, state["step"], fused)
+                state["step"] = _step_for(inner, p, state["step"])
 
 
-def _step_for(inner, p: torch.Tensor, step, fused: bool):
-    """`step` as `inner` keeps it: a float32 tensor on p's device for torch's fused AdamW, the
-    tensor it was for torch's other AdamW paths, an int for DeepSpeed's FusedAdam."""
-    if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-        if fused:
-            return torch.as_tensor(float(step), dtype=torch.float32, device=p.device)
-        return step if torch.is_tensor(step) else torch.tensor(float(step))
-    return int(step.item()) if torch.is_tensor(step) else step
+def _step_for(inner, p: torch.Tensor, step):
+    """`step` as `inner` keeps it (see after_load)."""
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        return int(step.item()) if torch.is_tensor(step) else step
+    if inner.defaults.get("fused") or inner.defaults.get("capturable"):
+        return torch.as_tensor(float(step), dtype=torch.float32, device=p.device)
+    return torch.tensor(float(step))
