@@ -312,7 +312,7 @@ def run_stage(
         stopped = wait_or_stop(proc, until)
     wall = time.time() - t0
     if stopped:
-        return {"name": name, "stopped": True, "wall_s": wall}
+        return {"name": name, "stopped": True, "wall_s": wall, "log": str(log_path)}
     if proc.returncode != 0:
         lines = log_path.read_text().splitlines()
         errors = rank_errors(lines)

@@ -142,7 +142,11 @@ RANK_SCRIPT = textwrap.dedent(
     back = engine(False)
     back.load_checkpoint(ckpt, tag="u")
     devicestep.after_load(back.optimizer)
-    results["back_fused"] = bool(back.optimizer.optimizer.param_groups[0].get("fused"))
+    # (torch's AdamW runs the kernel its group names; DeepSpeed's FusedAdam, on a GPU, has one)
+    inner = back.optimizer.optimizer
+    results["back_fused"] = isinstance(inner, torch.optim.AdamW) and bool(
+        inner.param_groups[0].get("fused")
+    )
     step(resumed, 21)
     step(back, 21)
     a, b = state(resumed), state(back)
