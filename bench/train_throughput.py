@@ -111,8 +111,10 @@ CONFIGS = {
     # The `medium` preset (the 3 x 24 GB one), all dense and as published (MoE).
     "dense": {"preset": "medium", "overrides": {"first_k_dense_replace": 16}},
     "moe": {"preset": "medium", "overrides": {}},
-    # DeepSeek-V3's multi-token prediction, one depth (model.mtp_depth), on each of the two
-    "dense-mtp1": {"preset": "medium", "overrides": {"first_k_dense_replace": 16}, "mtp_depth": 1},
+    # DeepSeek-V3's multi-token prediction, one depth (model.mtp_depth), on each of the two.
+    # HF decides a layer's kind from its index: the MTP block is layer 16, dense only where
+    # first_k_dense_replace passes it (the 16 main layers are the same as `dense`'s).
+    "dense-mtp1": {"preset": "medium", "overrides": {"first_k_dense_replace": 17}, "mtp_depth": 1},
     "moe-mtp1": {"preset": "medium", "overrides": {}, "mtp_depth": 1},
     # Published widths cut to 4 layers: DeepSeek-V2-Lite (the V2 family: softmax routing and
     # its balance loss) and Moonlight-16B-A3B (the V3 family at the same widths).

@@ -310,6 +310,23 @@ def test_variants_stack_with_plus_and_a_wrong_name_stops_before_any_run(bench):
         bench.variant("zero1+zero9")
 
 
+def test_each_mtp_config_is_its_base_model_with_a_block_of_its_kind(bench):
+    """X-mtp1 measures one MTP depth against X: the same main layers, and an MTP block of the
+    main layers' kind (HF decides a layer's kind from its index, the block's being L)."""
+    from dsflow.model.presets import PRESETS, model_config, mtp_layer_is_moe
+
+    for name in ("dense", "moe"):
+        base, with_mtp = bench.CONFIGS[name], bench.CONFIGS[f"{name}-mtp1"]
+        configs = [model_config(c["preset"], 512, c["overrides"]) for c in (base, with_mtp)]
+        main = [
+            [i >= (c.first_k_dense_replace or 0) for i in range(c.num_hidden_layers)]
+            for c in configs
+        ]
+        assert main[0] == main[1] and with_mtp["mtp_depth"] == 1
+        assert mtp_layer_is_moe(configs[1], 1) is any(main[0]), name
+    assert PRESETS["medium"]["num_hidden_layers"] == 16
+
+
 def test_every_variant_and_config_is_a_valid_params_overlay(bench):
     """A misspelt train key or value in a variant fails here in one line, not on a GPU
     mid-bench (the fine-tuning variants continue from a checkpoint the bench saves; one stands
