@@ -23,7 +23,8 @@ bf16, the same data, seed, batch and sequence length) twice:
   (`cudagraphs`; `autotune`: compile_mode max-autotune-no-cudagraphs), a ZeRO stage (`zero2`;
   `zero1`, `zero0`: one GPU has nothing to partition; `zero1` without DeepSpeed's
   per-parameter gradient hooks, as train.zero's auto has it on one rank, `zero1-hooks` with
-  them) or DeepSpeed's overlap_comm off (`no-overlap`); the MoE levers off: `hf-experts` (train.perf.experts: hf), `eager-hooks`
+  them) or DeepSpeed's overlap_comm off (`no-overlap`), DeepSpeed's ZeRO-1/2 bf16 step with its
+  host syncs (`no-device-step`: train.perf.device_step false); the MoE levers off: `hf-experts` (train.perf.experts: hf), `eager-hooks`
   (train.perf.compile_router_hooks: false); `sorted-experts`, `compiled-hooks` and
   `sorted-compiled-hooks` turn them on whatever `auto` would pick;
   `fused-optimizer` (train.perf.optimizer: fused, at ZeRO-0: the default on one GPU),
