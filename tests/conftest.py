@@ -179,9 +179,16 @@ def update_params(repo: Path, overlay: dict) -> None:
     path.write_text(yaml.safe_dump(deep_merge(params, overlay), sort_keys=False))
 
 
-def run(cmd: list[str], cwd: Path, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DSFLOW_PROGRESS": "0", **kw.pop("env", {})}
+def command_env(extra: dict | None = None) -> dict:
+    """The environment the tests run a command in: this one, without progress bars and without
+    a DSFLOW_CONFIG of the caller's (it would overlay every stage's params), `extra` on top."""
+    env = {**os.environ, "DSFLOW_PROGRESS": "0", **(extra or {})}
     env.pop("DSFLOW_CONFIG", None)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    env = command_env(kw.pop("env", None))
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, **kw)
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -223,6 +230,17 @@ def rank_script(tmp_path: Path, script: str, device: str, *args: str) -> dict:
 
 def dsflow(*args: str, cwd: Path, check: bool = True, **kw) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "dsflow", *args], cwd=cwd, check=check, **kw)
+
+
+def start(cmd: list[str], cwd: Path, env: dict | None = None, **kw) -> subprocess.Popen:
+    """`cmd` started in the background in `cwd` (the environment `run` gives, `env` on top);
+    `kw` goes to Popen (where its output goes, stdin, ...)."""
+    return subprocess.Popen(cmd, cwd=cwd, env=command_env(env), **kw)
+
+
+def start_stage(*args: str, cwd: Path, env: dict | None = None, **kw) -> subprocess.Popen:
+    """`python -m dsflow *args` started in the background (see `start`)."""
+    return start([sys.executable, "-m", "dsflow", *args], cwd=cwd, env=env, **kw)
 
 
 def losses(repo: Path, name: str = "train/loss") -> dict[int, float]:

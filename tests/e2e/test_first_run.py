@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import pytest
 import torch
 
 import conftest
-from conftest import dsflow, rewound_copy, run, tiny_run, update_params
+from conftest import dsflow, rewound_copy, run, start_stage, tiny_run, update_params
 
 # --------------------------------------------------------------------------- a venv inside
 
@@ -204,12 +202,10 @@ def test_ctrl_c_in_train_keeps_the_previous_outputs(finished, tmp_path):
     shutil.copytree(finished, repo)
     before = {k: v for k, v in outputs(repo).items() if not k.startswith("dvclive")}
     update_params(repo, {"train": {"max_steps": 40, "checkpoint_every": 40}})
-    env = {**os.environ, "DSFLOW_PROGRESS": "0", "DSFLOW_FAULT_STEP_DELAY": "1"}
-    env.pop("DSFLOW_CONFIG", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dsflow", "train"],
+    proc = start_stage(
+        "train",
         cwd=repo,
-        env=env,
+        env={"DSFLOW_FAULT_STEP_DELAY": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

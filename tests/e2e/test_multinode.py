@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import dsflow, losses, tiny_run, update_params
+from conftest import dsflow, losses, start_stage, tiny_run, update_params
 from dsflow.launch import free_port
 
 pytestmark = pytest.mark.slow
@@ -30,12 +30,10 @@ def copy_of(prepared, dest, *overlays):
 
 
 def start_node(repo, rank: int, **extra_env) -> subprocess.Popen:
-    env = {**os.environ, "DSFLOW_PROGRESS": "0", "NODE_RANK": str(rank), **extra_env}
-    env.pop("DSFLOW_CONFIG", None)
-    return subprocess.Popen(
-        [sys.executable, "-m", "dsflow", "train"],
+    return start_stage(
+        "train",
         cwd=repo,
-        env=env,
+        env={"NODE_RANK": str(rank), **extra_env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -28,7 +28,8 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, dsflow, tiny_run, update_params, wait_for
+from conftest import ROOT, dsflow, start, start_stage, tiny_run, update_params, wait_for
+from conftest import run as run_command
 from dsflow import dsconfig
 from dsflow import params as params_mod
 from dsflow.errors import UsageError
@@ -183,19 +184,22 @@ def nan_loss(disk_full, chain_repo):
     return run
 
 
+# How long the fault injection sleeps before each step of the SIGTERM phase: far longer than
+# a step of this run takes (0.2 to 0.3 s here), so that a step's time with the sleep counted
+# stands clear of the plain run's steps even when the machine is loaded unevenly.
+STEP_DELAY_S = 2
+
+
 @pytest.fixture(scope="module")
 def signalled(nan_loss, chain_repo):
     """Phase 5: resumes from step 6 with a large budget and slow steps; a second train run is
     started while it runs; SIGTERM to the stage once step 8 is logged."""
     repo = chain_repo
     update_params(repo, {"train": {"max_steps": 1000}})
-    env = {**os.environ, "DSFLOW_PROGRESS": "0", "DSFLOW_FAULT_STEP_DELAY": "1"}
-    env.pop("DSFLOW_CONFIG", None)
     err = repo.parent / "signalled.stderr"
     with open(err, "w") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dsflow", "train"], cwd=repo, env=env, stderr=stderr
-        )
+        delay = {"DSFLOW_FAULT_STEP_DELAY": str(STEP_DELAY_S)}
+        proc = start_stage("train", cwd=repo, env=delay, stderr=stderr)
         try:
             lock = repo / "checkpoints" / ckpt.LOCK_FILE
             wait_for(
@@ -330,11 +334,12 @@ def test_sigterm_checkpoints_at_the_next_step_boundary(signalled, finished, base
     assert "Traceback" not in run.stderr
     assert_matches_baseline(run, baseline, range(7, stopped + 1))
     assert f"resumed from step {stopped}" in finished.proc.stderr
-    # A step's time is the period since the last step ended: the 1 s the fault injection
-    # sleeps between steps counts (from the second step after the resume on), as the per-step
-    # bookkeeping does on a GPU.
+    # A step's time is the period since the last step ended: the sleep the fault injection
+    # puts between steps counts, whole (from the second step after the resume on), as the
+    # per-step bookkeeping does on a GPU.
     plain = statistics.median(baseline.step_s.values())
     for step in range(8, stopped + 1):
+        assert run.step_s[step] >= STEP_DELAY_S, (step, run.step_s[step])
         assert run.step_s[step] - plain > 0.9, (step, run.step_s[step], plain)
 
 
@@ -690,14 +695,7 @@ def test_killed_download_leaves_nothing_that_looks_done(project, prepared):
 
     big = {"download": {"max_docs": 40000}}
     update_params(project, big)
-    env = {**os.environ, "DSFLOW_PROGRESS": "0"}
-    env.pop("DSFLOW_CONFIG", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dsflow", "download"],
-        cwd=project,
-        env=env,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start_stage("download", cwd=project, stderr=subprocess.DEVNULL)
     data = project / "data"
     wait_for(lambda: list(data.glob(".raw.tmp-*")), 60, "the download's temp dir")
     time.sleep(0.5)
@@ -737,16 +735,12 @@ def second_concurrent_run(project, cmd: list[str], setup: list[str] | None = Non
     """Start `cmd` on a slow download, run it again while the first holds its lock; the
     second's output. The first must still finish and leave a complete output."""
     update_params(project, {"download": {"max_docs": 40000}})
-    env = {**os.environ, "DSFLOW_PROGRESS": "0"}
-    env.pop("DSFLOW_CONFIG", None)
     if setup:
-        subprocess.run(setup, cwd=project, check=True, env=env)
-    first = subprocess.Popen(
-        cmd, cwd=project, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+        run_command(setup, cwd=project)
+    first = start(cmd, cwd=project, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: list((project / "data").glob(".raw.tmp-*")), 60, "the first run")
-        second = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
+        second = run_command(cmd, cwd=project, check=False)
         assert second.returncode != 0
         assert first.wait(timeout=120) == 0
     finally:

@@ -3,7 +3,6 @@ and training on 3 CPU ranks (tiny preset) compared with ZeRO-2."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -12,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_train import EVAL_EXPORTED, trained_copy
+from test_train import exported_val_loss, trained_copy
 
 from conftest import ROOT, dsflow, losses, rewound_copy
 from dsflow import dsconfig
@@ -506,14 +505,6 @@ def trace(path: Path) -> dict[int, Counter]:
             row = json.loads(line)
             out.setdefault(row["step"], Counter()).update(row["windows"])
     return out
-
-
-@functools.cache  # the fixtures' exports are read by several tests and never change
-def exported_val_loss(repo: Path, model: str = "models/final") -> float:
-    code = EVAL_EXPORTED.replace('"models/final"', repr(model))
-    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return float(out.stdout.strip().splitlines()[-1])
 
 
 def assert_same_curve(a: dict, b: dict, rel: float = RTOL) -> None:

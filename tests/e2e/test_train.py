@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -110,28 +108,30 @@ def test_a_killed_run_reading_numbers_one_step_late_resumes_to_the_same_numbers(
     assert len(late["peak_memory_gb_per_rank"]) == 3
 
 
-EVAL_EXPORTED = r"""
-import json, sys
-import torch
-from transformers import AutoModelForCausalLM
-from dsflow.data.shards import ShardReader
-from dsflow.model.loss import evaluate_loss
-model = AutoModelForCausalLM.from_pretrained("models/final")
-reader = ShardReader("data/shards/val", 64, seed=1234)
-total, count = evaluate_loss(model, reader, micro=2, device=torch.device("cpu"), max_windows=12)
-print(total / count)
-"""
+def _val_loss(model, repo, windows: int = 12) -> float:
+    """`model`'s loss on the first `windows` windows of the val split; 12: the train stage's
+    validation (2 batches of 2 windows on each of 3 ranks)."""
+    from dsflow.data.shards import ShardReader
+    from dsflow.model.loss import evaluate_loss
+
+    reader = ShardReader(repo / "data/shards/val", 64, seed=1234)
+    device = torch.device("cpu")
+    total, count = evaluate_loss(model, reader, micro=2, device=device, max_windows=windows)
+    return total / count
+
+
+def exported_val_loss(repo, model: str = "models/final") -> float:
+    """The validation loss of the model exported to `repo`/`model`, loaded as any Hugging Face
+    client loads it (AutoModelForCausalLM.from_pretrained). In this process: a fresh one would
+    pay the imports again for the same numbers."""
+    from transformers import AutoModelForCausalLM
+
+    return _val_loss(AutoModelForCausalLM.from_pretrained(repo / model), repo)
 
 
 def test_exported_model_reproduces_the_final_val_loss(baseline):
-    out = subprocess.run(
-        [sys.executable, "-c", EVAL_EXPORTED], cwd=baseline, capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
     metrics = json.loads((baseline / "metrics/train.json").read_text())
-    assert float(out.stdout.strip().splitlines()[-1]) == pytest.approx(
-        metrics["val_loss"], rel=1e-5
-    )
+    assert exported_val_loss(baseline) == pytest.approx(metrics["val_loss"], rel=1e-5)
     assert (baseline / "models/final/model.safetensors").exists()
     assert (baseline / "models/final/tokenizer.json").exists()
 
@@ -228,6 +228,10 @@ def test_lora_trains_adapters_only_and_resumes_bit_exactly(prepared, baseline, t
     weights and the routers' balancing biases; the adapter loads with PEFT on the base and gives
     the merged model's loss; the run, rewound to its step-3 checkpoint, resumes to the same
     losses."""
+    from transformers import AutoModelForCausalLM
+
+    from dsflow.model import lora
+
     whole = tmp_path / "whole"
     proc = _lora_run(prepared, baseline, whole)
     assert "LoRA:" in proc.stderr and "trainable of" in proc.stderr
@@ -241,15 +245,9 @@ def test_lora_trains_adapters_only_and_resumes_bit_exactly(prepared, baseline, t
     assert any("e_score_correction_bias" in k for k in changed)  # the balancer still balances
     assert not any("embed_tokens" in k or "norm" in k for k in changed)
 
-    out = subprocess.run(
-        [sys.executable, "-c", EVAL_ADAPTER, str(baseline / "models/final")],
-        cwd=whole,
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    merged, adapter = map(float, out.stdout.split()[-2:])
-    assert adapter == pytest.approx(merged, rel=1e-5)
+    merged = _val_loss(AutoModelForCausalLM.from_pretrained(whole / "models/final"), whole, 8)
+    adapted = lora.load(str(baseline / "models/final"), str(whole / "models/final/adapter"))
+    assert _val_loss(adapted.eval(), whole, 8) == pytest.approx(merged, rel=1e-5)
     dsflow("export", "--out", "models/exported", cwd=whole)  # from the last checkpoint
     exported = _tensors(whole / "models/exported")
     for name, tensor in tuned.items():
@@ -261,22 +259,6 @@ def test_lora_trains_adapters_only_and_resumes_bit_exactly(prepared, baseline, t
     proc = _lora_run(prepared, baseline, resumed)
     assert "resumed from step 3" in proc.stderr
     assert losses(resumed) == losses(whole) and sorted(losses(whole)) == list(range(1, 7))
-
-
-EVAL_ADAPTER = r"""
-import sys
-import torch
-from transformers import AutoModelForCausalLM
-from dsflow.data.shards import ShardReader
-from dsflow.model import lora
-from dsflow.model.loss import evaluate_loss
-def loss(model):
-    reader = ShardReader("data/shards/val", 64, seed=1234)
-    total, count = evaluate_loss(model, reader, micro=2, device=torch.device("cpu"), max_windows=8)
-    return total / count
-merged = AutoModelForCausalLM.from_pretrained("models/final")
-print(loss(merged), loss(lora.load(sys.argv[1], "models/final/adapter").eval()))
-"""
 
 
 def test_lora_under_zero3_resumes_on_fewer_ranks(prepared, baseline, tmp_path):
@@ -297,18 +279,6 @@ def test_lora_under_zero3_resumes_on_fewer_ranks(prepared, baseline, tmp_path):
     base, tuned = _tensors(baseline / "models/final"), _tensors(repo / "models/final")
     name = "model.layers.0.self_attn.o_proj.weight"
     assert not torch.equal(base[name], tuned[name])
-
-
-def _val_loss(model, repo) -> float:
-    """The train stage's validation (2 batches of 2 windows on each of 3 ranks)."""
-    import torch
-
-    from dsflow.data.shards import ShardReader
-    from dsflow.model.loss import evaluate_loss
-
-    reader = ShardReader(repo / "data/shards/val", 64, seed=1234)
-    total, count = evaluate_loss(model, reader, micro=2, device=torch.device("cpu"), max_windows=12)
-    return total / count
 
 
 def test_a_deepseek_v2_checkpoint_continues_resumes_bit_exactly_and_exports(prepared, tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import dsflow, tiny_run, update_params, wait_for
+from conftest import dsflow, start_stage, tiny_run, update_params, wait_for
 from dsflow import launch
 from dsflow.data.shards import load_index
 from dsflow.errors import UsageError
@@ -217,12 +217,8 @@ def test_a_rank_that_raises_is_one_line_naming_the_rank(prepared, tmp_path):
 
 
 def start_train(repo: Path, err: Path, env: dict) -> subprocess.Popen:
-    full = {**os.environ, "DSFLOW_PROGRESS": "0", **env}
-    full.pop("DSFLOW_CONFIG", None)
     with open(err, "w") as stderr:
-        return subprocess.Popen(
-            [sys.executable, "-m", "dsflow", "train"], cwd=repo, env=full, stderr=stderr
-        )
+        return start_stage("train", cwd=repo, env=env, stderr=stderr)
 
 
 def stop_rank_1(repo: Path) -> int:

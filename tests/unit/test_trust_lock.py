@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, dsflow
+from conftest import ROOT, dsflow, start
 from dsflow import cli, lock
 from dsflow import params as params_mod
 from dsflow.atomic import atomic_dir
@@ -45,19 +45,12 @@ with lock.hold(stage, params.load("params.yaml")):
 SINCE = r"since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
 
 
-def _env() -> dict:
-    env = {**os.environ, "DSFLOW_PROGRESS": "0"}
-    env.pop("DSFLOW_CONFIG", None)
-    return env
-
-
 @contextmanager
 def holding(repo: Path, stage: str, temp: str = "", run_lock: bool = False):
     """A process that holds `stage`'s project lock in `repo` while the block runs."""
-    proc = subprocess.Popen(
+    proc = start(
         [sys.executable, "-c", HOLD, stage, temp, "1" if run_lock else "0"],
         cwd=repo,
-        env=_env(),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -235,13 +228,12 @@ def test_a_real_file_size_limit_is_one_line_naming_the_output(data_repo):
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "dsflow", "shard"],
+    proc = dsflow(
+        "shard",
         cwd=data_repo,
-        env={**_env(), "PYTHONDONTWRITEBYTECODE": "1"},
+        check=False,
+        env={"PYTHONDONTWRITEBYTECODE": "1"},
         preexec_fn=limit,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]

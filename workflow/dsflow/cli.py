@@ -8,12 +8,15 @@ code 2; bugs still raise.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib
+import importlib.util
 import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import yaml
 
@@ -91,11 +94,22 @@ STAGE_HELP: dict[str, tuple[str | None, str]] = {
 }
 
 
+# Stages whose command line takes arguments of their own, defined in their modules.
+WITH_ARGUMENTS = ("plan", "export")
+
+
+def _module_doc(module: str) -> str:
+    """`module`'s docstring, read from its source: importing a stage module (torch, for some)
+    for its --help text would make every command start a second or more later."""
+    source = Path(importlib.util.find_spec(module).origin).read_text()
+    return ast.get_docstring(ast.parse(source), clean=False) or ""
+
+
 def stage_help(name: str) -> str:
     """The --help text of ``python -m dsflow NAME``: reads -> writes, and the params sections."""
     what, sections = STAGE_HELP[name]
     if what is None:
-        doc = (importlib.import_module(STAGES[name]).__doc__ or "").strip()
+        doc = _module_doc(STAGES[name]).strip()
         what = " ".join(doc.split("\n\n")[0].split()).split(": ", 1)[-1]
     return f"{what} Params: {sections}."
 
@@ -109,7 +123,9 @@ def _profile(args) -> None:
     print(" ".join(f"-S '{k}={json.dumps(v)}'" for k, v in sorted(flat.items())))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(arguments: bool = True) -> argparse.ArgumentParser:
+    """The command line; `arguments`: with the arguments of the stages that take their own
+    (WITH_ARGUMENTS), which imports their modules."""
     parser = argparse.ArgumentParser(prog="python -m dsflow", description=__doc__)
     parser.add_argument("--params", default="params.yaml", help="params file (default params.yaml)")
     parser.add_argument(
@@ -122,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name in STAGES:
         stage = sub.add_parser(name, help=f"run the {name} stage", description=stage_help(name))
-        if name in ("plan", "export"):
+        if arguments and name in WITH_ARGUMENTS:
             importlib.import_module(STAGES[name]).add_arguments(stage)
     sub.add_parser(
         "validate",
@@ -138,8 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line parsed; the modules of the stages with arguments of their own are
+    imported only when that stage (or --help) is asked for."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not {"-h", "--help"} & set(argv):
+        known, _ = build_parser(arguments=False).parse_known_args(argv)
+        if known.stage not in WITH_ARGUMENTS:
+            return build_parser(arguments=False).parse_args(argv)
+    return build_parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     name = args.stage if args.stage in STAGES else None  # the stage's log, logs/<name>.log
     logged = False  # whether that log is set up (not while params fail to load, nor when locked)
     try:
