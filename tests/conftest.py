@@ -217,7 +217,7 @@ def rank_script(tmp_path: Path, script: str, device: str, *args: str) -> dict:
 
     path, out = tmp_path / "rank.py", tmp_path / "out.json"
     path.write_text(script)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": device}
+    env = command_env({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": device})
     ranks = "3" if device == "cpu" else "1"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks,

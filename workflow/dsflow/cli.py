@@ -159,9 +159,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     imported only when that stage (or --help) is asked for."""
     argv = sys.argv[1:] if argv is None else argv
     if not {"-h", "--help"} & set(argv):
-        known, _ = build_parser(arguments=False).parse_known_args(argv)
+        parser = build_parser(arguments=False)
+        known, _ = parser.parse_known_args(argv)
         if known.stage not in WITH_ARGUMENTS:
-            return build_parser(arguments=False).parse_args(argv)
+            return parser.parse_args(argv)
     return build_parser().parse_args(argv)
 
 

@@ -162,25 +162,22 @@ def for_client_optimizer(cfg: dict, built: dict, source: str | None = None) -> d
 def for_device_step(cfg: dict, built: dict, source: str | None = None) -> dict:
     """The config for train.perf.device_step (dsflow.train.devicestep): dsflow brings torch's
     fused AdamW as the client optimizer, so DeepSpeed gets no optimizer section; bf16,
-    clipping and the scheduler stay DeepSpeed's. An optimizer set in the user's file
-    (`source`) would be dropped: an error."""
-    where = source or "train.ds_config"
-    if cfg.get("optimizer") != built.get("optimizer"):
-        raise UsageError(
-            f"{where}: optimizer is set there, but train.perf.device_step brings torch's fused "
-            "AdamW (train.optimizer); set it in params.yaml, or train.perf.device_step: false"
-        )
-    # Either makes DeepSpeed build another step: BF16_Optimizer, or one without a norm to
-    # decide the skip from.
+    clipping and the scheduler stay DeepSpeed's. What the user's file (`source`) sets that
+    this step cannot take is an error."""
+    # An optimizer section would be dropped; data_types makes DeepSpeed build BF16_Optimizer,
+    # compute_grad_norm false a step without the norm the skip is decided from.
     zero = cfg.get("zero_optimization", {})
     for key, bad in (
+        ("optimizer", cfg.get("optimizer") != built.get("optimizer")),
         ("data_types", cfg.get("data_types") != built.get("data_types")),
         ("zero_optimization.compute_grad_norm", zero.get("compute_grad_norm", True) is False),
     ):
         if bad:
             raise UsageError(
-                f"{where}: {key} is set there, which train.perf.device_step cannot take; "
-                "remove it, or set train.perf.device_step: false"
+                f"{source or 'train.ds_config'}: {key} is set there, which "
+                "train.perf.device_step cannot take (it brings torch's fused AdamW, "
+                "train.optimizer, into DeepSpeed's ZeRO step); remove it, or set "
+                "train.perf.device_step: false"
             )
     return {k: v for k, v in cfg.items() if k != "optimizer"}
 
