@@ -188,6 +188,15 @@ def forget() -> None:
         cached.cache_clear()
 
 
+def resolve_precision(precision: str, device: str) -> str:
+    """train.precision `auto`: bf16 on GPUs; fp32 on CPU ranks, where the small matrices of a
+    CPU run go faster in fp32 than in bf16, even on CPUs with bf16 instructions (the quickstart's
+    `tiny` on 3 ranks: docs/performance.md, CPU benches)."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device == "cuda" else "fp32"
+
+
 def resolve_device(train: dict) -> tuple[str, int]:
     """(device type, ranks per node); asking for GPUs that do not exist is an error."""
     want, ranks = train["device"], train["gpus"]

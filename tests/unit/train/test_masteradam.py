@@ -171,7 +171,7 @@ def test_perf_optimizer_resolves_where_it_applies():
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("ds_config", [None, "ds.json"])
 @pytest.mark.parametrize("offload", ["none", "cpu"])
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", ["auto", "bf16", "fp32"])
 @pytest.mark.parametrize("value", ["auto", "fused", "deepspeed"])
 def test_planner_and_train_stage_agree_on_the_optimizer(
     value, precision, offload, ds_config, world
@@ -180,6 +180,7 @@ def test_planner_and_train_stage_agree_on_the_optimizer(
     chosen, so `zero_stage: auto` can pick ZeRO-0) and the train stage (`optimizer_choice`,
     given the stage). On GPUs, wherever the planner wants the fused optimizer at the stage it
     picks, the train stage takes it, and nowhere else with `auto`."""
+    from dsflow import machine
     from dsflow.errors import UsageError
     from dsflow.model.fastpaths import optimizer_choice
     from dsflow.plan.request import auto_first_stage, fused_optimizer_wanted
@@ -196,7 +197,13 @@ def test_planner_and_train_stage_agree_on_the_optimizer(
     offloaded = offload != "none"
     try:
         chosen = optimizer_choice(
-            train["perf"], stage, precision, offloaded, True, world, bool(ds_config)
+            train["perf"],
+            stage,
+            machine.resolve_precision(precision, "cuda"),  # as the train stage resolves it
+            offloaded,
+            True,
+            world,
+            bool(ds_config),
         )
     except UsageError:
         # `fused` by name where it cannot run: the planner did not plan ZeRO-0 for it.

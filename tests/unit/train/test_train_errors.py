@@ -67,6 +67,31 @@ def test_too_many_gpus_is_an_error_not_a_fallback(monkeypatch):
     assert machine.resolve_device({"device": "auto", "gpus": 3}) == ("cpu", 3)
 
 
+def test_precision_auto_is_bf16_on_gpus_and_fp32_on_cpu_ranks(prepared, tmp_path, monkeypatch):
+    """train.precision auto (the default) resolves once, in the train stage: the ranks' run spec,
+    DeepSpeed's config and the planner's request hold the precision the run trains in."""
+    import shutil
+
+    from conftest import tiny_run
+    from dsflow.params import validate
+    from dsflow.plan import request
+
+    assert load()["train"]["precision"] == "auto"
+    assert [machine.resolve_precision("auto", d) for d in ("cuda", "cpu")] == ["bf16", "fp32"]
+    assert machine.resolve_precision("bf16", "cpu") == "bf16"  # an explicit choice stays
+    repo = tmp_path / "repo"
+    shutil.copytree(prepared, repo, ignore=shutil.ignore_patterns("checkpoints", "models"))
+    monkeypatch.chdir(repo)
+    params = validate(deep_merge(load(), tiny_run(1, 2, precision="auto", zero_stage=2)))
+    spec = train.resolve_run(params)
+    assert spec["params"]["train"]["precision"] == "fp32"
+    assert not spec["ds_config"].get("bf16", {}).get("enabled")
+    assert request.resolve(params, None, world=1).precision == "fp32"
+    _fake_cuda(monkeypatch, 1)
+    gpu = request.resolve(params, None, world=1, gpu_mem_bytes=80 * 10**9)
+    assert (gpu.device, gpu.precision) == ("cuda", "bf16")
+
+
 def test_ds_config_generation_and_user_merge(tmp_path):
     import json
 

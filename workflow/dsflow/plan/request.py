@@ -146,7 +146,8 @@ def fused_optimizer_wanted(train: dict, world: int) -> bool:
     value = (train.get("perf") or {}).get("optimizer", "auto")
     offload = (train.get("offload") or {}).get("optimizer", "none") != "none"
     wanted = value == "fused" or (value == "auto" and world == 1 and not train.get("ds_config"))
-    return wanted and train.get("precision") == "bf16" and not offload
+    precision = machine.resolve_precision(train.get("precision", "bf16"), "cuda")
+    return wanted and precision == "bf16" and not offload
 
 
 def auto_first_stage(train: dict, world: int) -> int:
@@ -551,6 +552,7 @@ def resolve(
     config, vocab_source = _config(params, args, model, notes)
     micro, accum = _batch(train, args, world)
     where = _resources(train, args, gpus, world, (gpu_mem_bytes, host_mem_bytes, disk_free_bytes))
+    train = {**train, "precision": machine.resolve_precision(train["precision"], where["device"])}
     zero, offload_opt, offload_par = _layout(train, args, world, where["device"], notes)
     offload_device, nvme_path = _offload_device(train, args)
     seq_len = int(_arg(args, "seq_len") or train["seq_len"])

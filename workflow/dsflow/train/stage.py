@@ -96,8 +96,14 @@ def run_fingerprint(params: dict, global_batch: int, data_sha: str) -> str:
 
 
 def resolve_run(params: dict) -> dict:
-    train = params["train"]
-    device, local_ranks = machine.resolve_device(train)
+    device, local_ranks = machine.resolve_device(params["train"])
+    # train.precision auto is decided here, once: the ranks, run.json and the fingerprint see
+    # the precision the run trains in.
+    train = {
+        **params["train"],
+        "precision": machine.resolve_precision(params["train"]["precision"], device),
+    }
+    params = {**params, "train": train}
     world = local_ranks * train["nodes"]
     batch = dsconfig.resolve_batch(
         train["micro_batch"], train["grad_accum"], train["global_batch"], world
