@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsflow import machine
 from dsflow.errors import UsageError
 from dsflow.params import deep_merge
 from dsflow.plan.comm import ONE_RANK_BUCKET
@@ -123,7 +124,9 @@ def build(train: dict, batch: Batch, steps: int, device_type: str) -> dict:
         "scheduler": scheduler(train, steps),
         "zero_optimization": zero_optimization(train, device_type, batch.world),
     }
-    if train["precision"] == "fp16":
+    # The train stage resolves `auto` first; the same rule here keeps a direct call right.
+    precision = machine.resolve_precision(train["precision"], device_type)
+    if precision == "fp16":
         fp16 = train["fp16"]
         cfg["fp16"] = {
             "enabled": True,
@@ -133,7 +136,7 @@ def build(train: dict, batch: Batch, steps: int, device_type: str) -> dict:
             "hysteresis": fp16["hysteresis"],
             "min_loss_scale": fp16["min_loss_scale"],
         }
-    elif train["precision"] == "bf16":
+    elif precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import re
 import sys
@@ -996,3 +997,27 @@ def test_metrics_get_the_plans_reserved_peak_on_a_gpu():
     assert train.planned_reserved_bytes(plan, "cuda") == 20 * 10**9 - fixed
     assert train.planned_reserved_bytes(plan, "cpu") is None
     assert train.planned_reserved_bytes(None, "cuda") is None
+
+
+def test_zero1_without_contiguous_gradients_reserves_the_steps_flat_copies_anew(
+    monkeypatch, tmp_path
+):
+    """One rank at ZeRO-1 (contiguous gradients off by default): the step's flat 16-bit copy of
+    the gradients and its fp32 cast come on top of forward/backward's peak, 6 bytes per
+    parameter in bf16; with contiguous gradients (ZeRO-1 on several ranks) and at ZeRO-0/2 none.
+    On one H100 (`moe`, micro 8 x 2) reserved 31.98 GB, where the plan said 28.5 before."""
+    monkeypatch.chdir(tmp_path)
+    gpu = ("--model", "medium", "--vocab", "4096", "--seq-len", "1024", "--micro-batch", "8")
+    one = request.resolve(_params(), _args(*gpu, "--gpus", "1", "--zero", "1", "--gpu-mem", "80"))
+    three = request.resolve(_params(), _args(*gpu, "--gpus", "3", "--zero", "1", "--gpu-mem", "80"))
+    assert (one.contiguous_gradients, three.contiguous_gradients) == (False, True)
+    P = param_counts(one.config)["total"]
+    est = memory.estimate(one.config, one)
+    assert est["gpu"]["step_not_reused"] == 6 * P
+    contiguous = memory.estimate(one.config, dataclasses.replace(one, contiguous_gradients=True))
+    assert est["gpu"]["total"] - contiguous["gpu"]["total"] == 6 * P
+    assert memory.estimate(three.config, three)["gpu"]["step_not_reused"] == 0
+    for zero in (0, 2):
+        other = memory.estimate(one.config, one.layout(zero, False, False))
+        assert other["gpu"]["step_not_reused"] == 0
+    assert 31.98e9 <= est["gpu"]["total"] <= 1.15 * 31.98e9, est["gpu"]["total"] / 1e9

@@ -137,6 +137,7 @@ class Setup:
     activation_checkpointing: bool = False
     bucket_sizes: tuple[int, int] = DEFAULT_BUCKETS
     overlap_comm: bool = True
+    contiguous_gradients: bool = True
     seq_aux: bool = True
     fused_optimizer: bool = False
     offload_device: str = "cpu"
@@ -568,6 +569,19 @@ def _nvme(host: dict[str, int], P: int, s: Setup) -> tuple[dict[str, int], int]:
     return buffers, swap
 
 
+def _step_not_reused(P: int, s: Setup) -> int:
+    """Reserved bytes that ZeRO-1's step adds on top of forward/backward's peak when the
+    gradients are not contiguous (one rank's default, train.zero.contiguous_gradients):
+    backward allocates each 16-bit gradient among the activations, so the memory the activations
+    free is left in pieces between gradients; the step's flat 16-bit copy of the gradients and
+    its fp32 cast fit none of them, and the caching allocator reserves them anew. Measured on one
+    H100 (`moe`, micro 8 x 2, ZeRO-1): reserved 31.98 GB, peak allocated 25.84 GB, the difference
+    6 bytes per parameter (docs/performance.md, Planner accuracy)."""
+    if s.zero_stage != 1 or s.contiguous_gradients or s.offload_optimizer:
+        return 0
+    return (bytes_per_element(s.precision) + 4) * _ceil_div(s.lora_adapter or P, s.world)
+
+
 def _working_sets(P: int, shapes: tuple, activations: int, s: Setup) -> dict[str, int]:
     """Per-GPU bytes that exist during forward/backward only, besides the model states."""
     w = bytes_per_element(s.precision)
@@ -605,6 +619,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "activation_checkpointing": bool(setup.activation_checkpointing),
         "bucket_sizes": [int(b) for b in setup.bucket_sizes],
         "overlap_comm": bool(setup.overlap_comm),
+        "contiguous_gradients": bool(setup.contiguous_gradients),
         "seq_aux": bool(setup.seq_aux),
         "fused_optimizer": bool(setup.fused),
         "offload_device": setup.offload_device,
@@ -671,6 +686,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
     allocated = persistent + max(fwd_bwd, step)
     oh = FRAMEWORK_OVERHEAD
     overhead = oh.gpu_fixed_bytes + int(oh.gpu_fraction * allocated)
+    not_reused = _step_not_reused(P, setup)
     # Host: every rank builds the model in fp32 on CPU (dsflow.model.build) before DeepSpeed
     # casts it and moves it to the GPU; offloaded states replace it afterwards.
     # LoRA loads its frozen base in the training dtype (dsflow.train.engine).
@@ -681,8 +697,9 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         "model_states": persistent + step,
         **work,
         "overhead": overhead,
+        "step_not_reused": not_reused,
         "allocated": allocated,
-        "total": allocated + overhead,
+        "total": allocated + overhead + not_reused,
     }
     return {
         "inputs": inputs(config, setup),

@@ -489,7 +489,13 @@ def _zero_buffers(zcfg: dict, zero: int, world: int) -> dict[str, Any]:
             memory.DEFAULT_BUCKETS[0] if reduce == "auto" else int(reduce),
             int(zcfg.get("allgather_bucket_size", memory.DEFAULT_BUCKETS[1])),
         ),
-        "overlap_comm": dsconfig.gradient_hooks(hooks, zero, world, "cuda")[0],
+        **dict(
+            zip(
+                ("overlap_comm", "contiguous_gradients"),
+                dsconfig.gradient_hooks(hooks, zero, world, "cuda"),
+                strict=True,
+            )
+        ),
     }
 
 

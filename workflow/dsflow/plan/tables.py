@@ -171,7 +171,8 @@ def _memory_line(rep: dict) -> str:
     if req.get("device") == "cpu":
         parts = ", ".join(f"{k} {memory.fmt_gb(g[k])}" for k in keys if g[k])
         return f"per rank: {parts} -> {memory.fmt_gb(g['allocated'])} allocated"
-    parts = ", ".join(f"{k} {memory.fmt_gb(g[k])}" for k in (*keys, "overhead") if g[k])
+    shown = (*keys, "overhead", "step_not_reused")
+    parts = ", ".join(f"{k} {memory.fmt_gb(g[k])}" for k in shown if g.get(k))
     return f"per GPU: {parts} -> peak {memory.fmt_gb(g['total'])} ({est['peak_phase']})"
 
 
