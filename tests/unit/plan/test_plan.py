@@ -1010,14 +1010,22 @@ def test_zero1_without_contiguous_gradients_reserves_the_steps_flat_copies_anew(
     gpu = ("--model", "medium", "--vocab", "4096", "--seq-len", "1024", "--micro-batch", "8")
     one = request.resolve(_params(), _args(*gpu, "--gpus", "1", "--zero", "1", "--gpu-mem", "80"))
     three = request.resolve(_params(), _args(*gpu, "--gpus", "3", "--zero", "1", "--gpu-mem", "80"))
-    assert (one.contiguous_gradients, three.contiguous_gradients) == (False, True)
     P = param_counts(one.config)["total"]
+
+    def not_reused(setup, **change):
+        return memory.estimate(setup.config, dataclasses.replace(setup, **change))["gpu"][
+            "step_not_reused"
+        ]
+
     est = memory.estimate(one.config, one)
     assert est["gpu"]["step_not_reused"] == 6 * P
     contiguous = memory.estimate(one.config, dataclasses.replace(one, contiguous_gradients=True))
     assert est["gpu"]["total"] - contiguous["gpu"]["total"] == 6 * P
-    assert memory.estimate(three.config, three)["gpu"]["step_not_reused"] == 0
+    assert not_reused(three) == 0
+    # `auto` follows the stage and world the planner walks to, as DeepSpeed's config would
+    assert not_reused(three, world=1) == 6 * P
+    assert not_reused(one.layout(2, False, False), zero_stage=1) == 6 * P
     for zero in (0, 2):
-        other = memory.estimate(one.config, one.layout(zero, False, False))
-        assert other["gpu"]["step_not_reused"] == 0
+        assert not_reused(one, zero_stage=zero) == 0
+    assert not_reused(one, precision="fp32") == 4 * P  # the fp32 flat copy is not cast again
     assert 31.98e9 <= est["gpu"]["total"] <= 1.15 * 31.98e9, est["gpu"]["total"] / 1e9

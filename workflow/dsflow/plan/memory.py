@@ -137,7 +137,9 @@ class Setup:
     activation_checkpointing: bool = False
     bucket_sizes: tuple[int, int] = DEFAULT_BUCKETS
     overlap_comm: bool = True
-    contiguous_gradients: bool = True
+    # train.zero.contiguous_gradients as given; None (auto): off for one rank at ZeRO-0/1, as
+    # dsconfig.gradient_hooks decides, for whichever stage and world this setup has.
+    contiguous_gradients: bool | None = None
     seq_aux: bool = True
     fused_optimizer: bool = False
     offload_device: str = "cpu"
@@ -577,9 +579,14 @@ def _step_not_reused(P: int, s: Setup) -> int:
     its fp32 cast fit none of them, and the caching allocator reserves them anew. Measured on one
     H100 (`moe`, micro 8 x 2, ZeRO-1): reserved 31.98 GB, peak allocated 25.84 GB, the difference
     6 bytes per parameter (docs/performance.md, Planner accuracy)."""
-    if s.zero_stage != 1 or s.contiguous_gradients or s.offload_optimizer:
+    contiguous = s.contiguous_gradients
+    if contiguous is None:
+        contiguous = s.world > 1
+    if s.zero_stage != 1 or contiguous or s.offload_optimizer:
         return 0
-    return (bytes_per_element(s.precision) + 4) * _ceil_div(s.lora_adapter or P, s.world)
+    w = bytes_per_element(s.precision)
+    cast = 0 if s.precision == "fp32" else 4  # an fp32 flat buffer is not copied again
+    return (w + cast) * _ceil_div(s.lora_adapter or P, s.world)
 
 
 def _working_sets(P: int, shapes: tuple, activations: int, s: Setup) -> dict[str, int]:
@@ -619,7 +626,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "activation_checkpointing": bool(setup.activation_checkpointing),
         "bucket_sizes": [int(b) for b in setup.bucket_sizes],
         "overlap_comm": bool(setup.overlap_comm),
-        "contiguous_gradients": bool(setup.contiguous_gradients),
+        "contiguous_gradients": setup.contiguous_gradients,
         "seq_aux": bool(setup.seq_aux),
         "fused_optimizer": bool(setup.fused),
         "offload_device": setup.offload_device,

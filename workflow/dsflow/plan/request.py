@@ -489,13 +489,11 @@ def _zero_buffers(zcfg: dict, zero: int, world: int) -> dict[str, Any]:
             memory.DEFAULT_BUCKETS[0] if reduce == "auto" else int(reduce),
             int(zcfg.get("allgather_bucket_size", memory.DEFAULT_BUCKETS[1])),
         ),
-        **dict(
-            zip(
-                ("overlap_comm", "contiguous_gradients"),
-                dsconfig.gradient_hooks(hooks, zero, world, "cuda"),
-                strict=True,
-            )
-        ),
+        "overlap_comm": dsconfig.gradient_hooks(hooks, zero, world, "cuda")[0],
+        # auto stays auto: memory.Setup decides it for each stage and world the planner walks
+        "contiguous_gradients": None
+        if hooks["contiguous_gradients"] == "auto"
+        else bool(hooks["contiguous_gradients"]),
     }
 
 
