@@ -68,6 +68,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from dsflow import dsconfig
 from dsflow.model import float8, presets
 from dsflow.model.flops import flops_per_token
 
@@ -137,9 +138,9 @@ class Setup:
     activation_checkpointing: bool = False
     bucket_sizes: tuple[int, int] = DEFAULT_BUCKETS
     overlap_comm: bool = True
-    # train.zero.contiguous_gradients as given; None (auto): off for one rank at ZeRO-0/1, as
-    # dsconfig.gradient_hooks decides, for whichever stage and world this setup has.
-    contiguous_gradients: bool | None = None
+    # train.zero.contiguous_gradients as given (true, false or auto): dsconfig.gradient_hooks
+    # decides `auto` for whichever stage and world this setup has.
+    contiguous_gradients: bool | str = "auto"
     seq_aux: bool = True
     fused_optimizer: bool = False
     offload_device: str = "cpu"
@@ -579,9 +580,8 @@ def _step_not_reused(P: int, s: Setup) -> int:
     its fp32 cast fit none of them, and the caching allocator reserves them anew. Measured on one
     H100 (`moe`, micro 8 x 2, ZeRO-1): reserved 31.98 GB, peak allocated 25.84 GB, the difference
     6 bytes per parameter (docs/performance.md, Planner accuracy)."""
-    contiguous = s.contiguous_gradients
-    if contiguous is None:
-        contiguous = s.world > 1
+    hooks = {"overlap_comm": "auto", "contiguous_gradients": s.contiguous_gradients}
+    contiguous = dsconfig.gradient_hooks(hooks, s.zero_stage, s.world, "cuda")[1]
     if s.zero_stage != 1 or contiguous or s.offload_optimizer:
         return 0
     w = bytes_per_element(s.precision)

@@ -490,10 +490,8 @@ def _zero_buffers(zcfg: dict, zero: int, world: int) -> dict[str, Any]:
             int(zcfg.get("allgather_bucket_size", memory.DEFAULT_BUCKETS[1])),
         ),
         "overlap_comm": dsconfig.gradient_hooks(hooks, zero, world, "cuda")[0],
-        # auto stays auto: memory.Setup decides it for each stage and world the planner walks
-        "contiguous_gradients": None
-        if hooks["contiguous_gradients"] == "auto"
-        else bool(hooks["contiguous_gradients"]),
+        # as given: `auto` is decided for each stage and world the planner walks (memory.Setup)
+        "contiguous_gradients": hooks["contiguous_gradients"],
     }
 
 
