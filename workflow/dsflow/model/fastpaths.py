@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from dsflow.errors import UsageError
-from dsflow.model import float8, groupgemm, hfkernels
+from dsflow.model import float8, hfkernels
 from dsflow.params import fp8_on
 
 # HF treats any implementation name containing "flash" as a flash-attn package to import.
@@ -88,6 +88,10 @@ FP8_EXPERTS = "dsflow_fp8_experts"  # set on an experts module: its grouped GEMM
 FP8_GROUP_ROWS = 16  # torch's FP8 grouped GEMM needs every group's rows in multiples of 16
 # Set on an experts module: the compute capability of its GPU (None: CPU), for grouped_gemm.
 GEMM_CAPABILITY = "dsflow_gemm_capability"
+# dsflow.model.groupgemm, imported by use_experts where a GPU may run its kernels: registering
+# its torch ops loads torch's compiler (~1.5 s a process), which the launcher, the planner and
+# CPU ranks never use.
+groupgemm: Any = None
 # train.perf with every model-side fast path off: HF's own forward and loss, as the bench's
 # baseline and the GPU tests' reference run them.
 PLAIN = {
@@ -624,7 +628,17 @@ def _torchao_fp8_grouped_mm() -> Any:
     return fp8_gmm
 
 
-_sorted_experts_eager = torch.compiler.disable(_sorted_experts)
+def _sorted_experts_eager(*args: Any) -> torch.Tensor:
+    """_sorted_experts outside torch.compile's graphs (sorted_experts_forward says why). use_experts
+    puts the wrapped function here before any layer is compiled: torch.compiler.disable imports
+    dynamo (~1.6 s a process), which the launcher and the planner never need."""
+    _wrap_eager_experts()
+    return _sorted_experts_eager(*args)
+
+
+def _wrap_eager_experts() -> None:
+    global _sorted_experts_eager
+    _sorted_experts_eager = torch.compiler.disable(_sorted_experts)
 
 
 def use_experts(
@@ -650,15 +664,25 @@ def use_experts(
         raise UsageError(
             f"train.perf.experts: sorted {refusal}; set train.perf.experts: auto or hf"
         )
+    _wrap_eager_experts()
     ALL_EXPERTS_FUNCTIONS.register(SORTED_EXPERTS, sorted_experts_forward)
     model.set_experts_implementation(SORTED_EXPERTS)
     on = torch.device(device or next(model.parameters()).device)
     if capability is None and on.type == "cuda":
         capability = torch.cuda.get_device_capability(on)
+    if capability is not None:
+        _import_groupgemm()
     for module in model.modules():
         if hasattr(module, "gate_up_proj"):
             setattr(module, GEMM_CAPABILITY, None if capability is None else tuple(capability))
     return "sorted"
+
+
+def _import_groupgemm() -> None:
+    global groupgemm
+    from dsflow.model import groupgemm as module
+
+    groupgemm = module
 
 
 # torch's grouped GEMM has its one fast kernel (CUTLASS) for bf16 on these compute capabilities.
