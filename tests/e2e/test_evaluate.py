@@ -63,7 +63,7 @@ def three_ranks(evaluated, tmp_path_factory):
     """`evaluated` evaluated again on 3 ranks; (repo, the stage's stderr)."""
     repo = tmp_path_factory.mktemp("three") / "repo"
     shutil.copytree(evaluated, repo)
-    update_params(repo, {"train": {"gpus": 3}})
+    update_params(repo, {"evaluate": {"ranks": 3}})
     return repo, dsflow("evaluate", cwd=repo, timeout=900).stderr
 
 

@@ -150,6 +150,7 @@ def test_evaluate_checks_the_exported_model_before_its_ranks_start(prepared, tmp
     from transformers import AutoTokenizer
 
     repo = train_copy(prepared, tmp_path / "repo")
+    update_params(repo, {"evaluate": {"ranks": 2}})  # on CPU, auto evaluates in one process
     final = tiny_checkpoint(repo / "models/final")
     AutoTokenizer.from_pretrained(repo / "data/tokenizer").save_pretrained(final)
     weights = final / "model.safetensors"

@@ -244,3 +244,26 @@ def test_plan_and_doctor_count_the_ranks_of_every_node(monkeypatch, tmp_path):
     found = {c.name: c for c in checks.diagnose(facts, params)}
     assert seen == [8]
     assert found["infiniband"].status == checks.WARN and "TCP" in found["infiniband"].detail
+
+
+def test_evaluate_runs_in_one_process_on_cpu_and_on_the_train_ranks_on_gpus(monkeypatch):
+    """evaluate.ranks auto: CPU ranks would share the same cores, each paying the imports, so
+    the stage evaluates in its own process there; on GPUs it takes the train stage's ranks."""
+    from dsflow import evaluate, machine
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+
+    def ranks(train: dict, evaluate_: dict) -> tuple[str, int]:
+        merged = params_mod.deep_merge(raw, {"train": train, "evaluate": evaluate_})
+        return evaluate.ranks(params_mod.validate(merged))
+
+    monkeypatch.setattr(machine, "gpus", lambda: [])
+    assert ranks({"gpus": 3}, {}) == ("cpu", 1)
+    assert ranks({"gpus": 3}, {"ranks": 2}) == ("cpu", 2)
+    monkeypatch.setattr(machine, "gpus", lambda: [{"index": i} for i in range(3)])
+    assert ranks({"gpus": 2}, {}) == ("cuda", 2)
+    assert ranks({"gpus": "auto"}, {"ranks": "auto"}) == ("cuda", 3)
+    assert ranks({"gpus": 1}, {"ranks": 3}) == ("cuda", 3)
+    with pytest.raises(UsageError) as exc:
+        ranks({"gpus": 3}, {"ranks": 4})
+    assert str(exc.value).startswith("evaluate.ranks: 4 ranks but 3 GPUs visible; set")

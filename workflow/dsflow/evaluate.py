@@ -3,8 +3,9 @@
 Bits per byte = total nats / (ln 2 x UTF-8 bytes of the target tokens), specials counting zero
 bytes but their prediction counting in the nats, so runs with different tokenizers compare and
 the builtin corpus's entropy floor (which includes where each document ends) is a true lower
-bound. Runs on the same ranks as training; per-window results are summed in window order on
-rank 0, so 1 and N ranks report the same numbers.
+bound. Runs on the train stage's ranks on GPUs and in one process on CPU (evaluate.ranks);
+per-window results are summed in window order on rank 0, so 1 and N ranks report the same
+numbers.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dsflow import machine, safeload
 from dsflow import params as params_mod
-from dsflow import safeload
 from dsflow.atomic import atomic_dir, atomic_file
 from dsflow.data.shards import ShardReader, load_index
 from dsflow.errors import UsageError
@@ -32,7 +33,6 @@ from dsflow.launch import (
     set_rank_threads,
     torchrun_command,
 )
-from dsflow.machine import resolve_device
 from dsflow.model import mtp
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.build import attach_stored_mtp
@@ -303,6 +303,23 @@ def check_inputs() -> None:
     load_index(SHARDS / "val")
 
 
+def ranks(params: dict) -> tuple[str, int]:
+    """(device type, processes) of the stage: evaluate.ranks; auto = the train stage's ranks
+    per node on GPUs, one process on CPU, where ranks would share the same cores: it starts
+    once, where each rank would import torch and transformers on those cores."""
+    device, train_ranks = machine.resolve_device(params["train"])
+    want = params["evaluate"].get("ranks", "auto")
+    if want == "auto":
+        return device, 1 if device == "cpu" else train_ranks
+    visible = len(machine.gpus())
+    if device == "cuda" and want > visible:
+        raise UsageError(
+            f"evaluate.ranks: {want} ranks but {visible} GPUs visible; set "
+            "evaluate.ranks: auto (the train stage's ranks) or a number up to the GPUs"
+        )
+    return device, want
+
+
 def run(params: dict) -> None:
     if not (FINAL / "config.json").exists():
         raise UsageError(f"{FINAL}: no exported model; run the train stage first")
@@ -318,7 +335,7 @@ def run(params: dict) -> None:
         "rerun the train stage, which writes it again from its last checkpoint "
         "(dvc repro -f -s train, or snakemake -f train)",
     )
-    device, world = resolve_device(params["train"])
+    device, world = ranks(params)
     if world == 1:
         evaluate_rank(params, device)
         return

@@ -438,7 +438,7 @@ def test_a_two_rank_run_logs_each_depth_resumes_bit_exactly_and_exports(prepared
     assert metrics["params_total"] == sum(p.numel() for p in trained.parameters())
 
     # The evaluate stage (2 ranks) scores each head's top-1 and decodes speculatively.
-    update_params(full, {"evaluate": {"max_windows": 6, "speculative_prompts": 2}})
+    update_params(full, {"evaluate": {"max_windows": 6, "speculative_prompts": 2, "ranks": 2}})
     dsflow("evaluate", cwd=full, timeout=600)
     ev = json.loads((full / "metrics/eval.json").read_text())
     w = torch.stack([torch.as_tensor(reader.tokens(i * 32, 33).astype("int64")) for i in range(6)])
