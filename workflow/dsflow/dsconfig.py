@@ -317,6 +317,16 @@ def _fill_auto(user: dict, cfg: dict) -> None:
 DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
+def precision_of(cfg: dict) -> str:
+    """The precision DeepSpeed trains in under `cfg`: fp16, bf16 (also spelled bfloat16), else
+    fp32."""
+    if cfg.get("fp16", {}).get("enabled"):
+        return "fp16"
+    if any(cfg.get(key, {}).get("enabled") for key in ("bf16", "bfloat16")):
+        return "bf16"
+    return "fp32"
+
+
 def merge_user(cfg: dict, path: str | Path) -> dict:
     """Merge a user's ds_config.json over `cfg`, keeping the batch arithmetic consistent."""
     path = Path(path)

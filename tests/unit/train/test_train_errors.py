@@ -92,6 +92,34 @@ def test_precision_auto_is_bf16_on_gpus_and_fp32_on_cpu_ranks(prepared, tmp_path
     assert (gpu.device, gpu.precision) == ("cuda", "bf16")
 
 
+def test_a_user_ds_config_sets_the_precision_the_spec_records(prepared, tmp_path, monkeypatch):
+    """A ds_config file that turns bf16 on trains in bf16: the spec (metrics, the MFU's peak,
+    LoRA's dtype, the fingerprint) says so, not train.precision's fp32; fp16 on CPU is refused
+    in one line naming the file."""
+    import json
+    import shutil
+
+    from conftest import tiny_run
+    from dsflow.params import validate
+
+    repo = tmp_path / "repo"
+    shutil.copytree(prepared, repo, ignore=shutil.ignore_patterns("checkpoints", "models"))
+    monkeypatch.chdir(repo)
+    base = deep_merge(load(), tiny_run(1, 2, precision="auto", zero_stage=2))
+    plain = train.resolve_run(validate(base))
+    (repo / "ds.json").write_text(json.dumps({"bf16": {"enabled": True}}))
+    spec = train.resolve_run(validate(deep_merge(base, {"train": {"ds_config": "ds.json"}})))
+    assert plain["params"]["train"]["precision"] == "fp32"
+    assert spec["params"]["train"]["precision"] == "bf16" and spec["ds_config"]["bf16"]["enabled"]
+    assert spec["fingerprint"] != plain["fingerprint"]
+    (repo / "ds.json").write_text(json.dumps({"fp16": {"enabled": True}}))
+    with pytest.raises(UsageError) as exc:
+        train.resolve_run(validate(deep_merge(base, {"train": {"ds_config": "ds.json"}})))
+    assert str(exc.value).startswith("ds.json: fp16 is enabled, but DeepSpeed's CPU accelerator")
+    assert dsconfig.precision_of({"bfloat16": {"enabled": True}}) == "bf16"
+    assert dsconfig.precision_of({"bf16": {"enabled": False}}) == "fp32"
+
+
 def test_ds_config_generation_and_user_merge(tmp_path):
     import json
 

@@ -127,6 +127,15 @@ def resolve_run(params: dict) -> dict:
     ds_config = built = dsconfig.build(train, batch, steps, device)
     if train["ds_config"]:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
+        # The user's file may turn fp16 or bf16 on or off: the spec (metrics, the MFU's peak,
+        # LoRA's dtype, the fingerprint) holds the precision DeepSpeed trains in.
+        train = {**train, "precision": dsconfig.precision_of(ds_config)}
+        params = {**params, "train": train}
+        if device == "cpu" and train["precision"] == "fp16":
+            raise UsageError(
+                f"{train['ds_config']}: fp16 is enabled, but DeepSpeed's CPU accelerator has "
+                "no fp16; use bf16 or remove the fp16 section"
+            )
         if train["finetune"] == "lora":
             dsconfig.check_lora_optimizer(ds_config, f"train.ds_config {train['ds_config']}")
     # Decided once, here (impossible settings fail in one line); the ranks read it from run.json.
@@ -134,7 +143,7 @@ def resolve_run(params: dict) -> dict:
         train.get("perf", {}),
         device,
         ds_config["zero_optimization"].get("stage", 0),
-        precision="fp16" if ds_config.get("fp16", {}).get("enabled") else train["precision"],
+        precision=train["precision"],
         optimizer_offload=dsconfig.offload_device(ds_config["zero_optimization"], "optimizer")
         != "none",
         world=world,
