@@ -267,3 +267,24 @@ def test_evaluate_runs_in_one_process_on_cpu_and_on_the_train_ranks_on_gpus(monk
     with pytest.raises(UsageError) as exc:
         ranks({"gpus": 3}, {"ranks": 4})
     assert str(exc.value).startswith("evaluate.ranks: 4 ranks but 3 GPUs visible; set")
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_finished_rank_exits_without_the_interpreters_teardown(tmp_path, code):
+    """exit_rank(0): what the rank printed and logged arrives, the teardown (here an atexit
+    handler) does not run; another code exits as usual, teardown included."""
+    import subprocess
+
+    script = (
+        "import atexit, logging, pathlib, sys\n"
+        "from dsflow import launch\n"
+        f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'torn')!r}).touch())\n"
+        f"logging.basicConfig(filename={str(tmp_path / 'log')!r})\n"
+        "logging.warning('logged')\n"
+        "print('printed', end='')\n"
+        f"launch.exit_rank({code})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert (proc.returncode, proc.stdout) == (code, "printed")
+    assert "logged" in (tmp_path / "log").read_text()
+    assert (tmp_path / "torn").exists() == (code != 0)

@@ -317,18 +317,22 @@ def _fill_auto(user: dict, cfg: dict) -> None:
 DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
+# DeepSpeed's precision sections (it reads bf16 also as bfloat16).
+PRECISIONS = ("fp16", "bf16", "bfloat16")
+
+
 def precision_of(cfg: dict) -> str:
     """The precision DeepSpeed trains in under `cfg`: fp16, bf16 (also spelled bfloat16), else
     fp32."""
     if cfg.get("fp16", {}).get("enabled"):
         return "fp16"
-    if any(cfg.get(key, {}).get("enabled") for key in ("bf16", "bfloat16")):
+    if any(cfg.get(key, {}).get("enabled") for key in PRECISIONS[1:]):
         return "bf16"
     return "fp32"
 
 
-def merge_user(cfg: dict, path: str | Path) -> dict:
-    """Merge a user's ds_config.json over `cfg`, keeping the batch arithmetic consistent."""
+def read_user(path: str | Path) -> dict:
+    """A user's ds_config.json, its sections checked to be JSON objects; a bad file is one line."""
     path = Path(path)
     try:
         user = json.loads(path.read_bytes().decode("utf-8"))
@@ -351,6 +355,21 @@ def merge_user(cfg: dict, path: str | Path) -> dict:
     for key in SECTIONS:
         if key in user and not isinstance(user[key], dict):
             raise UsageError(f"{path}: {key} must be a JSON object, got {_show(user[key])}")
+    return user
+
+
+def with_user_precision(precision: str, path: str | Path) -> str:
+    """The precision a run of `precision` (resolved: fp16, bf16 or fp32) trains in once the
+    user's ds_config at `path` is merged: the file may turn fp16 or bf16 on or off."""
+    built = {"fp16": {"enabled": precision == "fp16"}, "bf16": {"enabled": precision == "bf16"}}
+    user = read_user(path)
+    return precision_of(deep_merge(built, {k: user[k] for k in PRECISIONS if k in user}))
+
+
+def merge_user(cfg: dict, path: str | Path) -> dict:
+    """Merge a user's ds_config.json over `cfg`, keeping the batch arithmetic consistent."""
+    path = Path(path)
+    user = read_user(path)
     check_own_batch(user, cfg, path)
     _fill_auto(user, cfg)
     for key in DERIVED:
@@ -363,7 +382,7 @@ def merge_user(cfg: dict, path: str | Path) -> dict:
             )
         user.pop(key, None)
     merged = deep_merge(cfg, user)
-    if merged.get("fp16", {}).get("enabled") and merged.get("bf16", {}).get("enabled"):
+    if sum(bool(merged.get(key, {}).get("enabled")) for key in PRECISIONS) > 1:
         raise UsageError(f"{path}: fp16 and bf16 are both enabled; keep one (train.precision)")
     stage = merged.get("zero_optimization", {}).get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
@@ -405,7 +424,7 @@ def check_own_batch(user: dict, cfg: dict, path: Path) -> None:
 
 
 # Sections of a DeepSpeed config that are objects (DeepSpeed fails obscurely on anything else).
-SECTIONS = ("fp16", "bf16", "zero_optimization", "optimizer", "scheduler")
+SECTIONS = ("fp16", "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler")
 
 
 def _show(value) -> str:

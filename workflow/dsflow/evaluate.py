@@ -27,6 +27,7 @@ from dsflow.errors import UsageError
 from dsflow.launch import (
     check_tensor_shapes,
     check_tokenizer,
+    exit_rank,
     free_port,
     launch_env,
     safetensors_files,
@@ -356,3 +357,4 @@ if __name__ == "__main__":
     if os.environ.get("RANK", "0") == "0":
         setup_logging("evaluate", to_file=False)  # the stage puts rank 0's stderr in the log
     evaluate_rank(params_mod.load(), os.environ[WORKER_ENV])
+    exit_rank(0)

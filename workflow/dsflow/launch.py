@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import math
 import mmap
 import os
@@ -315,6 +316,19 @@ def rank_threads(env: Mapping[str, str] = os.environ, train: dict | None = None)
     value = env.get(THREADS_ENV)
     local = int(env.get("LOCAL_WORLD_SIZE", 1))
     return int(value) if value else threads_per_rank(train or {}, local)
+
+
+def exit_rank(code: int) -> None:
+    """A rank's exit. Once it is done (0), without the interpreter's teardown: its outputs are
+    written and closed, its process group destroyed and its checkpoint writes waited for, and
+    tearing down torch, DeepSpeed and transformers took 2.4 s of three CPU ranks on two cores
+    at the end of every stage. Any other code leaves as usual."""
+    if code != 0:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def set_rank_threads(train: dict | None = None) -> int:

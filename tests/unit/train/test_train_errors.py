@@ -111,13 +111,22 @@ def test_a_user_ds_config_sets_the_precision_the_spec_records(prepared, tmp_path
     spec = train.resolve_run(validate(deep_merge(base, {"train": {"ds_config": "ds.json"}})))
     assert plain["params"]["train"]["precision"] == "fp32"
     assert spec["params"]["train"]["precision"] == "bf16" and spec["ds_config"]["bf16"]["enabled"]
-    assert spec["fingerprint"] != plain["fingerprint"]
+    # The planner is asked for the same precision (the stage plans with_file_precision's params).
+    planned = train.with_file_precision(
+        validate(deep_merge(base, {"train": {"ds_config": "ds.json"}})), "cpu"
+    )
+    assert planned["train"]["precision"] == "bf16"
+    (repo / "ds.json").write_text(json.dumps({"bfloat16": {"enabled": True}}))
+    assert dsconfig.with_user_precision("fp32", "ds.json") == "bf16"
+    (repo / "ds.json").write_text(json.dumps({"bf16": {"enabled": False}}))
+    assert dsconfig.with_user_precision("bf16", "ds.json") == "fp32"
+    (repo / "ds.json").write_text(json.dumps({"bfloat16": True}))
+    with pytest.raises(UsageError, match=r"^ds.json: bfloat16 must be a JSON object, got true$"):
+        dsconfig.with_user_precision("fp32", "ds.json")
     (repo / "ds.json").write_text(json.dumps({"fp16": {"enabled": True}}))
     with pytest.raises(UsageError) as exc:
         train.resolve_run(validate(deep_merge(base, {"train": {"ds_config": "ds.json"}})))
     assert str(exc.value).startswith("ds.json: fp16 is enabled, but DeepSpeed's CPU accelerator")
-    assert dsconfig.precision_of({"bfloat16": {"enabled": True}}) == "bf16"
-    assert dsconfig.precision_of({"bf16": {"enabled": False}}) == "fp32"
 
 
 def test_ds_config_generation_and_user_merge(tmp_path):

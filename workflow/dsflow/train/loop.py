@@ -388,4 +388,4 @@ def run_rank() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_rank())
+    launch.exit_rank(run_rank())

@@ -95,15 +95,26 @@ def run_fingerprint(params: dict, global_batch: int, data_sha: str) -> str:
     return ckpt.fingerprint({**params, "model": model}, global_batch, data_sha)
 
 
+def with_file_precision(params: dict, device: str) -> dict:
+    """params with train.precision as the run trains in: auto resolved for `device`, then as a
+    train.ds_config file leaves it (it may turn fp16 or bf16 on or off). The planner plans it;
+    the ranks, run.json, the metrics and the fingerprint record it."""
+    train = params["train"]
+    precision = machine.resolve_precision(train["precision"], device)
+    if train["ds_config"]:
+        precision = dsconfig.with_user_precision(precision, train["ds_config"])
+        if device == "cpu" and precision == "fp16":
+            raise UsageError(
+                f"{train['ds_config']}: fp16 is enabled, but DeepSpeed's CPU accelerator has "
+                "no fp16; use bf16 or remove the fp16 section"
+            )
+    return {**params, "train": {**train, "precision": precision}}
+
+
 def resolve_run(params: dict) -> dict:
     device, local_ranks = machine.resolve_device(params["train"])
-    # train.precision auto is decided here, once: the ranks, run.json and the fingerprint see
-    # the precision the run trains in.
-    train = {
-        **params["train"],
-        "precision": machine.resolve_precision(params["train"]["precision"], device),
-    }
-    params = {**params, "train": train}
+    params = with_file_precision(params, device)
+    train = params["train"]
     world = local_ranks * train["nodes"]
     batch = dsconfig.resolve_batch(
         train["micro_batch"], train["grad_accum"], train["global_batch"], world
@@ -127,15 +138,6 @@ def resolve_run(params: dict) -> dict:
     ds_config = built = dsconfig.build(train, batch, steps, device)
     if train["ds_config"]:
         ds_config = dsconfig.merge_user(ds_config, train["ds_config"])
-        # The user's file may turn fp16 or bf16 on or off: the spec (metrics, the MFU's peak,
-        # LoRA's dtype, the fingerprint) holds the precision DeepSpeed trains in.
-        train = {**train, "precision": dsconfig.precision_of(ds_config)}
-        params = {**params, "train": train}
-        if device == "cpu" and train["precision"] == "fp16":
-            raise UsageError(
-                f"{train['ds_config']}: fp16 is enabled, but DeepSpeed's CPU accelerator has "
-                "no fp16; use bf16 or remove the fp16 section"
-            )
         if train["finetune"] == "lora":
             dsconfig.check_lora_optimizer(ds_config, f"train.ds_config {train['ds_config']}")
     # Decided once, here (impossible settings fail in one line); the ranks read it from run.json.
@@ -531,6 +533,7 @@ def check_rank_inputs(spec: dict) -> None:
 
 def run(params: dict) -> None:
     device, local_ranks = machine.resolve_device(params["train"])
+    params = with_file_precision(params, device)
     auto = params["train"]["zero_stage"] == "auto"
     world = local_ranks * params["train"]["nodes"]
     params, memory_plan = plan_memory(params, world, device)
