@@ -282,9 +282,10 @@ def test_a_finished_rank_exits_without_the_interpreters_teardown(tmp_path, code)
         f"logging.basicConfig(filename={str(tmp_path / 'log')!r})\n"
         "logging.warning('logged')\n"
         "print('printed', end='')\n"
+        "import ctypes; ctypes.CDLL(None).printf(b'from C')\n"
         f"launch.exit_rank({code})\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert (proc.returncode, proc.stdout) == (code, "printed")
+    assert (proc.returncode, proc.stdout) == (code, "printedfrom C")
     assert "logged" in (tmp_path / "log").read_text()
     assert (tmp_path / "torn").exists() == (code != 0)

@@ -355,6 +355,9 @@ def read_user(path: str | Path) -> dict:
     for key in SECTIONS:
         if key in user and not isinstance(user[key], dict):
             raise UsageError(f"{path}: {key} must be a JSON object, got {_show(user[key])}")
+    # DeepSpeed reads bf16, and bfloat16 only where bf16 is absent: one name from here on.
+    if "bfloat16" in user:
+        user.setdefault("bf16", user.pop("bfloat16"))
     return user
 
 

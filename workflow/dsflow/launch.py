@@ -328,6 +328,8 @@ def exit_rank(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)  # what C libraries printed (DeepSpeed's ops) too
     os._exit(0)
 
 

@@ -116,8 +116,13 @@ def test_a_user_ds_config_sets_the_precision_the_spec_records(prepared, tmp_path
         validate(deep_merge(base, {"train": {"ds_config": "ds.json"}})), "cpu"
     )
     assert planned["train"]["precision"] == "bf16"
-    (repo / "ds.json").write_text(json.dumps({"bfloat16": {"enabled": True}}))
+    (repo / "ds.json").write_text(
+        json.dumps({"bfloat16": {"enabled": True}})
+    )  # DeepSpeed's old name
     assert dsconfig.with_user_precision("fp32", "ds.json") == "bf16"
+    spec = train.resolve_run(validate(deep_merge(base, {"train": {"ds_config": "ds.json"}})))
+    assert spec["params"]["train"]["precision"] == "bf16" and spec["ds_config"]["bf16"]["enabled"]
+    assert "bfloat16" not in spec["ds_config"]
     (repo / "ds.json").write_text(json.dumps({"bf16": {"enabled": False}}))
     assert dsconfig.with_user_precision("bf16", "ds.json") == "fp32"
     (repo / "ds.json").write_text(json.dumps({"bfloat16": True}))
