@@ -317,18 +317,13 @@ def _fill_auto(user: dict, cfg: dict) -> None:
 DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-# DeepSpeed's precision sections (it reads bf16 also as bfloat16).
-PRECISIONS = ("fp16", "bf16", "bfloat16")
+# DeepSpeed's precision sections (a user's bfloat16 is read as bf16: read_user).
+PRECISIONS = ("fp16", "bf16")
 
 
 def precision_of(cfg: dict) -> str:
-    """The precision DeepSpeed trains in under `cfg`: fp16, bf16 (also spelled bfloat16), else
-    fp32."""
-    if cfg.get("fp16", {}).get("enabled"):
-        return "fp16"
-    if any(cfg.get(key, {}).get("enabled") for key in PRECISIONS[1:]):
-        return "bf16"
-    return "fp32"
+    """The precision DeepSpeed trains in under `cfg`: fp16 or bf16 where enabled, else fp32."""
+    return next((key for key in PRECISIONS if cfg.get(key, {}).get("enabled")), "fp32")
 
 
 def read_user(path: str | Path) -> dict:
@@ -385,7 +380,7 @@ def merge_user(cfg: dict, path: str | Path) -> dict:
             )
         user.pop(key, None)
     merged = deep_merge(cfg, user)
-    if sum(bool(merged.get(key, {}).get("enabled")) for key in PRECISIONS) > 1:
+    if all(merged.get(key, {}).get("enabled") for key in PRECISIONS):
         raise UsageError(f"{path}: fp16 and bf16 are both enabled; keep one (train.precision)")
     stage = merged.get("zero_optimization", {}).get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
