@@ -1029,3 +1029,20 @@ def test_zero1_without_contiguous_gradients_reserves_the_steps_flat_copies_anew(
         assert not_reused(one, zero_stage=zero) == 0
     assert not_reused(one, precision="fp32") == 4 * P  # the fp32 flat copy is not cast again
     assert 31.98e9 <= est["gpu"]["total"] <= 1.15 * 31.98e9, est["gpu"]["total"] / 1e9
+
+
+def test_zero1_at_micro_4_plans_the_steps_flat_copies_as_allocated(monkeypatch, tmp_path):
+    """At micro 4 the step, not backward, holds ZeRO-1's allocated peak on one rank: the flat
+    16-bit gradient copy beside its fp32 cast. On one H200 (`moe`, micro 4 x 4, vocabulary 3490)
+    peak allocated 22.85 GB, reserved 29.69 GB in bf16 and 29.90 GB in fp16, where the plan
+    said 29.61 before it counted the flat copy."""
+    monkeypatch.chdir(tmp_path)
+    gpu = ("--model", "medium", "--vocab", "3490", "--seq-len", "1024", "--micro-batch", "4")
+    one = request.resolve(_params(), _args(*gpu, "--gpus", "1", "--zero", "1", "--gpu-mem", "80"))
+    fixed = memory.FRAMEWORK_OVERHEAD.gpu_fixed_bytes
+    for precision, reserved in (("bf16", 29.69e9), ("fp16", 29.90e9)):
+        est = memory.estimate(one.config, dataclasses.replace(one, precision=precision))["gpu"]
+        assert abs(est["allocated"] / 22.85e9 - 1) < 0.02, est["allocated"] / 1e9
+        assert est["allocated"] == est["model_states"] > est["activations"] + est["buckets"]
+        planned = est["total"] - fixed
+        assert reserved <= planned <= 1.15 * reserved, (precision, planned / 1e9)

@@ -54,7 +54,10 @@ def _explain(est: dict, item: str) -> str:
             f"{p['largest_module_name']}, {p['largest_module'] / 1e9:.2f}B params"
         )
     if item == "gradients_fp32_step":
-        return "DeepSpeed's fp32 copy of this rank's gradients during optimizer.step()"
+        return (
+            "DeepSpeed's fp32 copy of this rank's gradients during optimizer.step() (ZeRO-1 "
+            "without contiguous gradients: and the flat 16-bit copy it is cast from)"
+        )
     return item
 
 

@@ -572,17 +572,33 @@ def _nvme(host: dict[str, int], P: int, s: Setup) -> tuple[dict[str, int], int]:
     return buffers, swap
 
 
-def _step_not_reused(P: int, s: Setup) -> int:
-    """Reserved bytes that ZeRO-1's step adds on top of forward/backward's peak when the
-    gradients are not contiguous (one rank's default, train.zero.contiguous_gradients):
-    backward allocates each 16-bit gradient among the activations, so the memory the activations
-    free is left in pieces between gradients; the step's flat 16-bit copy of the gradients and
-    its fp32 cast fit none of them, and the caching allocator reserves them anew. Measured on one
-    H100 (`moe`, micro 8 x 2, ZeRO-1): reserved 31.98 GB, peak allocated 25.84 GB, the difference
-    6 bytes per parameter (docs/performance.md, Planner accuracy)."""
+def _flattens_at_step(s: Setup) -> bool:
+    """ZeRO-1 with gradients that are not contiguous (one rank's default,
+    train.zero.contiguous_gradients): the step first copies the 16-bit gradients into one flat
+    buffer, then casts that to fp32."""
     hooks = {"overlap_comm": "auto", "contiguous_gradients": s.contiguous_gradients}
     contiguous = dsconfig.gradient_hooks(hooks, s.zero_stage, s.world, "cuda")[1]
-    if s.zero_stage != 1 or contiguous or s.offload_optimizer:
+    return s.zero_stage == 1 and not contiguous and not s.offload_optimizer
+
+
+def _step_flat_copy(P: int, s: Setup) -> int:
+    """The step's flat 16-bit gradient copy, allocated beside its fp32 cast (counted in
+    `gradients_fp32_step`); an fp32 run's flat copy is that cast. Measured on one H200 (`moe`,
+    micro 4 x 4, ZeRO-1): peak allocated 22.85 GB = the model states + 6 bytes per parameter."""
+    if not _flattens_at_step(s) or s.precision == "fp32":
+        return 0
+    return bytes_per_element(s.precision) * _ceil_div(s.lora_adapter or P, s.world)
+
+
+def _step_not_reused(P: int, s: Setup) -> int:
+    """Reserved bytes that ZeRO-1's step adds on top of forward/backward's peak when it
+    flattens the gradients (`_flattens_at_step`): backward allocates each 16-bit gradient among
+    the activations, so the memory the activations free is left in pieces between gradients;
+    the step's flat 16-bit copy of the gradients and its fp32 cast fit none of them, and the
+    caching allocator reserves them anew. Measured on one H100 (`moe`, micro 8 x 2, ZeRO-1):
+    reserved 31.98 GB, peak allocated 25.84 GB, the difference 6 bytes per parameter
+    (docs/performance.md, Planner accuracy)."""
+    if not _flattens_at_step(s):
         return 0
     w = bytes_per_element(s.precision)
     cast = 0 if s.precision == "fp32" else 4  # an fp32 flat buffer is not copied again
@@ -689,7 +705,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
     work = _working_sets(P, shapes, acts[peak] + lora_acts, setup)
     persistent = states["weights"] + states["gradients"] + states["optimizer"]
     fwd_bwd = sum(work.values())
-    step = states["gradients_fp32_step"]
+    step = states["gradients_fp32_step"] + _step_flat_copy(P, setup)
     allocated = persistent + max(fwd_bwd, step)
     oh = FRAMEWORK_OVERHEAD
     overhead = oh.gpu_fixed_bytes + int(oh.gpu_fraction * allocated)
@@ -701,6 +717,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
     host_per_rank = max(init_per_rank, sum(host.values())) + oh.host_per_rank_bytes
     gpu = {
         **states,
+        "gradients_fp32_step": step,
         "model_states": persistent + step,
         **work,
         "overhead": overhead,
