@@ -47,7 +47,7 @@ def batch(seed=1, size=2, seq=33):
     return x[:, :-1], x[:, 1:]
 
 
-def test_auto_means_fast_on_cuda_and_plain_on_cpu():
+def test_auto_means_fast_on_cuda_and_plain_on_cpu_but_for_flash_attention():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
     fast = fastpaths.Perf(
         True, "flash_padded", 8192, True, False, fused_grad_checks=True, experts="sorted",
@@ -63,7 +63,9 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu():
     assert fastpaths.resolve(auto, "cuda", precision="fp16").experts == "sorted"
     assert fastpaths.resolve(auto, "cuda", precision="fp32").experts == "hf"
     assert fastpaths.resolve(auto, "cuda", zero_stage=3).experts == "hf"
-    assert fastpaths.resolve(auto, "cpu") == fastpaths.Perf(False, "sdpa", 0, True, False)
+    # MLA's padded attention takes SDPA's flash kernel for CPU as well (its math kernel else)
+    assert fastpaths.resolve(auto, "cpu") == fastpaths.Perf(False, "flash_padded", 0, True, False)
+    assert fastpaths.resolve({**auto, "attention": "sdpa"}, "cpu").attention == "sdpa"
     assert fastpaths.resolve({**auto, "ce_chunk": 512, "compile": True}, "cpu").ce_chunk == 512
     # ZeRO-3 gathers parameters in module hooks: auto turns compile off, true is refused.
     assert fastpaths.resolve(auto, "cuda", zero_stage=3).compile is False
