@@ -456,8 +456,10 @@ def test_zero2_model_states_equal_deepspeed(ds_estimators, preset, vocab, world)
             P, num_gpus_per_node=world, cpu_offload=offload, additional_buffer_factor=1
         )
         # GPU: 2P + 18P/N without offload (16-bit weights; 16-bit + fp32 grads, fp32 master,
-        # Adam m, v partitions), 2P with it: the same formula, to the byte.
-        assert est["gpu"]["model_states"] == pytest.approx(gpu, rel=1e-6)
+        # Adam m, v partitions), 2P with it: the same formula, to the byte, plus the flat 16-bit
+        # copy of the gradient partition the step casts from (2P/N), which DeepSpeed's leaves out.
+        flat = 0 if offload else 2 * -(-P // world)
+        assert est["gpu"]["model_states"] == pytest.approx(gpu + flat, rel=1e-6)
         host = est["host"]["node_total"] - world * memory.FRAMEWORK_OVERHEAD.host_per_rank_bytes
         if not offload or 4 * world >= 18:
             # DeepSpeed's host number is every rank's fp32 model (4 B/param x N) or the offloaded
@@ -1020,7 +1022,9 @@ def test_zero1_without_contiguous_gradients_reserves_the_steps_flat_copies_anew(
     est = memory.estimate(one.config, one)
     assert est["gpu"]["step_not_reused"] == 6 * P
     contiguous = memory.estimate(one.config, dataclasses.replace(one, contiguous_gradients=True))
-    assert est["gpu"]["total"] - contiguous["gpu"]["total"] == 6 * P
+    # the copies reserved anew, with the allocator's fragmentation share on them
+    extra = est["gpu"]["total"] - contiguous["gpu"]["total"]
+    assert abs(extra - (1 + memory.FRAMEWORK_OVERHEAD.gpu_fraction) * 6 * P) <= 1
     assert not_reused(three) == 0
     # `auto` follows the stage and world the planner walks to, as DeepSpeed's config would
     assert not_reused(three, world=1) == 6 * P
@@ -1033,16 +1037,22 @@ def test_zero1_without_contiguous_gradients_reserves_the_steps_flat_copies_anew(
 
 def test_zero1_at_micro_4_plans_the_steps_flat_copies_as_allocated(monkeypatch, tmp_path):
     """At micro 4 the step, not backward, holds ZeRO-1's allocated peak on one rank: the flat
-    16-bit gradient copy beside its fp32 cast. On one H200 (`moe`, micro 4 x 4, vocabulary 3490)
-    peak allocated 22.85 GB, reserved 29.69 GB in bf16 and 29.90 GB in fp16, where the plan
-    said 29.61 before it counted the flat copy."""
+    16-bit gradient copy beside its fp32 cast; reserved, forward/backward's set and the step's
+    copies lie side by side. On one H200 (`moe`, micro 4 x 4, vocabulary 3490) peak allocated
+    22.85 GB, reserved 29.69 GB in bf16 and 29.90 GB in fp16, where the plan said 29.61 before it
+    counted the flat copy; at micro 1 the plan shrinks with the activations."""
     monkeypatch.chdir(tmp_path)
-    gpu = ("--model", "medium", "--vocab", "3490", "--seq-len", "1024", "--micro-batch", "4")
-    one = request.resolve(_params(), _args(*gpu, "--gpus", "1", "--zero", "1", "--gpu-mem", "80"))
+    gpu = ("--model", "medium", "--vocab", "3490", "--seq-len", "1024", "--gpus", "1", "--zero")
     fixed = memory.FRAMEWORK_OVERHEAD.gpu_fixed_bytes
+
+    def planned(micro: str, precision: str) -> dict:
+        argv = (*gpu, "1", "--gpu-mem", "80", "--micro-batch", micro, "--precision", precision)
+        req = request.resolve(_params(), _args(*argv))
+        return memory.estimate(req.config, req)["gpu"]
+
     for precision, reserved in (("bf16", 29.69e9), ("fp16", 29.90e9)):
-        est = memory.estimate(one.config, dataclasses.replace(one, precision=precision))["gpu"]
+        est = planned("4", precision)
         assert abs(est["allocated"] / 22.85e9 - 1) < 0.02, est["allocated"] / 1e9
         assert est["allocated"] == est["model_states"] > est["activations"] + est["buckets"]
-        planned = est["total"] - fixed
-        assert reserved <= planned <= 1.15 * reserved, (precision, planned / 1e9)
+        assert reserved <= est["total"] - fixed <= 1.15 * reserved, (precision, est["total"])
+        assert planned("1", precision)["total"] < est["total"]

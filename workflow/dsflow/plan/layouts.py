@@ -54,10 +54,9 @@ def _explain(est: dict, item: str) -> str:
             f"{p['largest_module_name']}, {p['largest_module'] / 1e9:.2f}B params"
         )
     if item == "gradients_fp32_step":
-        return (
-            "DeepSpeed's fp32 copy of this rank's gradients during optimizer.step() (ZeRO-1 "
-            "without contiguous gradients: and the flat 16-bit copy it is cast from)"
-        )
+        flat = s in (1, 2) and dtype == "16-bit" and not inp["offload_optimizer"]
+        copies = "a flat 16-bit copy and its fp32 cast" if flat else "an fp32 copy"
+        return f"DeepSpeed's {copies} of this rank's gradients during optimizer.step()"
     return item
 
 
@@ -67,7 +66,7 @@ _ITEM_NAMES = {
     "optimizer": "optimizer states",
     "activations": "activations",
     "zero3_gathered": "ZeRO-3 gathered module",
-    "gradients_fp32_step": "fp32 step gradients",
+    "gradients_fp32_step": "step gradient copies",
 }
 
 

@@ -14,12 +14,15 @@ Model states (``P`` parameters, ``N`` data-parallel ranks, 16-bit = bf16/fp16):
   ZeRO-0 and ``1/N`` from ZeRO-1 on. In fp32 training the master *is* the weights (8 B/param) at
   ZeRO-0 and ZeRO-3, but DeepSpeed's ZeRO-1/2 optimizer clones its partition anyway
   (``stage_1_and_2.py``: ``single_partition_of_fp32_groups``), so 12 B/param there too.
-- fp32 gradients during ``optimizer.step()``: DeepSpeed converts this rank's gradient partition
+- gradients during ``optimizer.step()``: DeepSpeed converts this rank's gradient partition
   to fp32 before Adam runs (4 B/param x ``1/N``; the full model at ZeRO-0; at ZeRO-3 one
-  ``sub_group_size`` = 1e9 elements at a time). That copy only exists inside the step, after the
-  activations are freed, so the peak is ``states + max(forward/backward set, step set)``.
-  DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``: ``2P + 18P/N``) add it
-  to the steady state; ``model_states`` here is the same sum, so the two compare directly.
+  ``sub_group_size`` = 1e9 elements at a time); at ZeRO-1/2 it first copies the 16-bit
+  gradients into one flat tensor (2 B/param x ``1/N`` more). These copies only exist inside the
+  step, after the activations are freed, so the allocated peak is ``states + max(forward/backward
+  set, step set)``; where ZeRO-1's gradients are scattered among the activations, the freed
+  memory cannot hold them and the caching allocator reserves them on top (``step_not_reused``).
+  DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``: ``2P + 18P/N``) add the
+  fp32 copy to the steady state; ``model_states`` here is the same sum plus the flat copy.
 
 Activations: what autograd keeps for backward in HF's ``DeepseekV3ForCausalLM`` with SDPA
 attention and the ``grouped_mm`` experts kernel (CUDA), per token, ``a`` = 2 bytes (4 in fp32).
@@ -572,37 +575,33 @@ def _nvme(host: dict[str, int], P: int, s: Setup) -> tuple[dict[str, int], int]:
     return buffers, swap
 
 
-def _flattens_at_step(s: Setup) -> bool:
+def _scattered_gradients(s: Setup) -> bool:
     """ZeRO-1 with gradients that are not contiguous (one rank's default,
-    train.zero.contiguous_gradients): the step first copies the 16-bit gradients into one flat
-    buffer, then casts that to fp32."""
+    train.zero.contiguous_gradients): backward allocates each 16-bit gradient on its own, among
+    the activations."""
     hooks = {"overlap_comm": "auto", "contiguous_gradients": s.contiguous_gradients}
     contiguous = dsconfig.gradient_hooks(hooks, s.zero_stage, s.world, "cuda")[1]
     return s.zero_stage == 1 and not contiguous and not s.offload_optimizer
 
 
 def _step_flat_copy(P: int, s: Setup) -> int:
-    """The step's flat 16-bit gradient copy, allocated beside its fp32 cast (counted in
-    `gradients_fp32_step`); an fp32 run's flat copy is that cast. Measured on one H200 (`moe`,
-    micro 4 x 4, ZeRO-1): peak allocated 22.85 GB = the model states + 6 bytes per parameter."""
-    if not _flattens_at_step(s) or s.precision == "fp32":
+    """DeepSpeed's ZeRO-1/2 step (stage_1_and_2 `step`) first copies this rank's 16-bit
+    gradients into one flat tensor, then casts that to fp32 (`gradients_fp32_step`); in fp32
+    the flat copy is the cast. Measured on one H200 (`moe`, micro 4 x 4, ZeRO-1, one rank):
+    peak allocated 22.85 GB = the model states + 6 bytes per parameter."""
+    if s.zero_stage not in (1, 2) or s.offload_optimizer or s.precision == "fp32":
         return 0
     return bytes_per_element(s.precision) * _ceil_div(s.lora_adapter or P, s.world)
 
 
-def _step_not_reused(P: int, s: Setup) -> int:
-    """Reserved bytes that ZeRO-1's step adds on top of forward/backward's peak when it
-    flattens the gradients (`_flattens_at_step`): backward allocates each 16-bit gradient among
-    the activations, so the memory the activations free is left in pieces between gradients;
-    the step's flat 16-bit copy of the gradients and its fp32 cast fit none of them, and the
-    caching allocator reserves them anew. Measured on one H100 (`moe`, micro 8 x 2, ZeRO-1):
-    reserved 31.98 GB, peak allocated 25.84 GB, the difference 6 bytes per parameter
-    (docs/performance.md, Planner accuracy)."""
-    if not _flattens_at_step(s):
-        return 0
-    w = bytes_per_element(s.precision)
-    cast = 0 if s.precision == "fp32" else 4  # an fp32 flat buffer is not copied again
-    return (w + cast) * _ceil_div(s.lora_adapter or P, s.world)
+def _step_not_reused(step: int, fwd_bwd: int, s: Setup) -> int:
+    """Reserved bytes that the step's gradient copies (`step`) add on top of forward/backward's
+    peak (`fwd_bwd`) when the gradients are scattered (`_scattered_gradients`): the memory the
+    activations free is left in pieces between gradients, the flat copies fit none of them, and
+    the caching allocator reserves them anew, as far as the freed memory would have held them.
+    Measured on one H100 (`moe`, micro 8 x 2, ZeRO-1): reserved 31.98 GB, peak allocated 25.84 GB,
+    the difference 6 bytes per parameter (docs/performance.md, Planner accuracy)."""
+    return min(step, fwd_bwd) if _scattered_gradients(s) else 0
 
 
 def _working_sets(P: int, shapes: tuple, activations: int, s: Setup) -> dict[str, int]:
@@ -707,9 +706,9 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
     fwd_bwd = sum(work.values())
     step = states["gradients_fp32_step"] + _step_flat_copy(P, setup)
     allocated = persistent + max(fwd_bwd, step)
+    not_reused = _step_not_reused(step, fwd_bwd, setup)
     oh = FRAMEWORK_OVERHEAD
-    overhead = oh.gpu_fixed_bytes + int(oh.gpu_fraction * allocated)
-    not_reused = _step_not_reused(P, setup)
+    overhead = oh.gpu_fixed_bytes + int(oh.gpu_fraction * (allocated + not_reused))
     # Host: every rank builds the model in fp32 on CPU (dsflow.model.build) before DeepSpeed
     # casts it and moves it to the GPU; offloaded states replace it afterwards.
     # LoRA loads its frozen base in the training dtype (dsflow.train.engine).

@@ -115,7 +115,7 @@ def plan_table(
     host_mem_bytes: int | None = None,
 ) -> str:
     """:func:`plan_rows` as an aligned plain-text table (GB = 1e9 bytes; "other" = buckets,
-    ZeRO-3's gathered module, the fp32 step gradients beyond the activations, overhead)."""
+    ZeRO-3's gathered module, the step's gradient copies beyond the activations, overhead)."""
     rows = plan_rows(config, setup, gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes)
     return format_plan_rows(rows)
 
