@@ -185,8 +185,7 @@ def resolve(
         compile_ = False
     # On CPU too: there SDPA's math kernel is MLA's, which materializes the scores; padded,
     # its flash kernel for CPU runs (the `tiny` preset's step on 3 CPU ranks 13% shorter).
-    attention = perf.get("attention", "auto")
-    attention = "flash_padded" if attention == "auto" else attention
+    attention = pick("attention", "flash_padded", "flash_padded")
     # In fp16 the fused loss forms its gradients at the coming backward's loss scale
     # (TrainingLM.loss_scale), so they underflow no more than the plain path's; `auto` leaves
     # it off there, as the planner counts it (its fp32 weight-gradient buffer outweighs the
