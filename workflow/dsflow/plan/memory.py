@@ -19,8 +19,10 @@ Model states (``P`` parameters, ``N`` data-parallel ranks, 16-bit = bf16/fp16):
   ``sub_group_size`` = 1e9 elements at a time); at ZeRO-1/2 it first copies the 16-bit
   gradients into one flat tensor (2 B/param x ``1/N`` more). These copies only exist inside the
   step, after the activations are freed, so the allocated peak is ``states + max(forward/backward
-  set, step set)``; where ZeRO-1's gradients are scattered among the activations, the freed
-  memory cannot hold them and the caching allocator reserves them on top (``step_not_reused``).
+  set, step set)``. Reserved, the caching allocator puts each copy in the memory the activations
+  freed while it fits and reserves the rest on top (``step_not_reused``): at a small micro batch
+  the fp32 cast no longer fits beside the flat copy, and where ZeRO-1's gradients are scattered
+  among the activations the freed pieces hold neither.
   DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``: ``2P + 18P/N``) add the
   fp32 copy to the steady state; ``model_states`` here is the same sum plus the flat copy.
 
@@ -542,10 +544,7 @@ def _model_states(P: int, s: Setup) -> tuple[dict[str, int], dict[str, int]]:
     elif z == 3:
         grads_fp32 = 4 * min(part, DS_SUB_GROUP_SIZE)
     else:
-        # stage_1_and_2's step flattens the 16-bit gradients into one copy, then casts that (in
-        # fp32 the flat copy is the cast). Measured on one H200 (`moe`, micro 4 x 4, ZeRO-1, one
-        # rank): peak allocated 22.85 GB = the model states + 6 bytes per parameter.
-        grads_fp32 = 4 * part + (0 if fp32 else w * part)
+        grads_fp32 = sum(_step_copies(part, s))
     host = {"optimizer": 0, "gradients": 0, "parameters": 0}
     if s.offload_optimizer:
         # On the host: the fp32 master + Adam partitions, an fp32 gradient partition for the CPU
@@ -587,14 +586,41 @@ def _scattered_gradients(s: Setup) -> bool:
     return s.zero_stage == 1 and not contiguous and not s.offload_optimizer
 
 
-def _step_not_reused(step: int, fwd_bwd: int, s: Setup) -> int:
-    """Reserved bytes that the step's gradient copies (`step`) add on top of forward/backward's
-    peak (`fwd_bwd`) when the gradients are scattered (`_scattered_gradients`): the memory the
-    activations free is left in pieces between gradients, the flat copies fit none of them, and
-    the caching allocator reserves them anew, as far as the freed memory would have held them.
-    Measured on one H100 (`moe`, micro 8 x 2, ZeRO-1): reserved 31.98 GB, peak allocated 25.84 GB,
-    the difference 6 bytes per parameter (docs/performance.md, Planner accuracy)."""
-    return min(step, fwd_bwd) if _scattered_gradients(s) else 0
+def _step_copies(part: int, s: Setup) -> list[int]:
+    """The gradient copies stage_1_and_2's step makes of a `part`-parameter partition, in the
+    order it makes them, each alive until the step ends: it flattens the 16-bit gradients into
+    one tensor, then casts that to fp32 (in fp32 the flat copy is the cast). Measured on one
+    H200 (`moe`, micro 4 x 4, ZeRO-1, one rank): peak allocated 22.85 GB = the model states + 6
+    bytes per parameter. None with optimizer offload (the step runs on the host)."""
+    if s.offload_optimizer:
+        return []
+    fp32 = s.precision == "fp32"
+    return [4 * part] if fp32 else [bytes_per_element(s.precision) * part, 4 * part]
+
+
+def _step_not_reused(copies: list[int], freed: int, fwd_bwd: int, s: Setup) -> int:
+    """Reserved bytes that the step's gradient copies add on top of forward/backward's peak
+    (`fwd_bwd`, of which the activations' `freed` bytes are free again at the step).
+
+    The caching allocator places each copy in the freed memory while one block there is large
+    enough, and reserves it anew when not: the flat 16-bit copy takes part of the freed
+    activations and the fp32 cast, twice its size, may no longer fit beside it. Measured on one
+    H100 (`moe`, ZeRO-2, one rank, `expandable_segments`): at micro 4 x 4 (4.7 GB of
+    activations, copies of 2.1 and 4.1 GB) reserved 27.4 GB at a peak allocation of 23.2; at
+    micro 8 x 2 (9.4 GB of activations: both copies fit) reserved 28.6 at 26.9 planned
+    allocated. Where the gradients are scattered (`_scattered_gradients`) the activations free
+    memory in pieces between gradients, none holds a copy: at micro 8 x 2, ZeRO-1, reserved
+    31.98 GB at a peak allocation of 25.84, 6 bytes per parameter apart
+    (docs/performance.md, Planner accuracy)."""
+    new = sum(copies)
+    if not _scattered_gradients(s):
+        left, new = freed, 0
+        for size in copies:
+            if size <= left:
+                left -= size
+            else:
+                new += size
+    return max(0, fwd_bwd + new - max(fwd_bwd, sum(copies)))
 
 
 def _working_sets(P: int, shapes: tuple, activations: int, s: Setup) -> dict[str, int]:
@@ -699,7 +725,11 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
     fwd_bwd = sum(work.values())
     step = states["gradients_fp32_step"]
     allocated = persistent + max(fwd_bwd, step)
-    not_reused = _step_not_reused(step, fwd_bwd, setup)
+    copies = _step_copies(_ceil_div(setup.lora_adapter or P, setup.world), setup)
+    freed = work["activations"] + work["grad_transient"]
+    not_reused = _step_not_reused(
+        copies if setup.zero_stage in (1, 2) else [], freed, fwd_bwd, setup
+    )
     oh = FRAMEWORK_OVERHEAD
     overhead = oh.gpu_fixed_bytes + int(oh.gpu_fraction * (allocated + not_reused))
     # Host: every rank builds the model in fp32 on CPU (dsflow.model.build) before DeepSpeed
