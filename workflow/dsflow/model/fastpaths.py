@@ -86,6 +86,9 @@ DEFAULT_CE_CHUNK = 8192
 SORTED_EXPERTS = "dsflow_sorted"
 FP8_EXPERTS = "dsflow_fp8_experts"  # set on an experts module: its grouped GEMMs run in FP8
 FP8_GROUP_ROWS = 16  # torch's FP8 grouped GEMM needs every group's rows in multiples of 16
+# The Triton grouped GEMM's rows per tile (dsflow.model.groupgemm.BLOCK_M): every expert's rows
+# start at a multiple of it. Here, so that the planner reads it without importing groupgemm.
+TRITON_GEMM_ROWS = 64
 # Set on an experts module: the compute capability of its GPU (None: CPU), for grouped_gemm.
 GEMM_CAPABILITY = "dsflow_gemm_capability"
 # dsflow.model.groupgemm, imported by use_experts where a GPU may run its kernels: registering

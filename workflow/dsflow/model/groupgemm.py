@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
+from dsflow.model import fastpaths
+
 # Rows per tile: every expert's rows start at a multiple of it (fastpaths._pad_groups).
-BLOCK_M = 64
+BLOCK_M = fastpaths.TRITON_GEMM_ROWS
 _BLOCK_N, _BLOCK_K = 64, 64
 
 

@@ -165,6 +165,9 @@ class Setup:
     fp8: str = "off"  # train.perf.fp8's recipe ("off": bf16 linears)
     mtp_depth: int = 0  # model.mtp_depth: DeepSeek-V3's multi-token-prediction modules
     experts_in_graph: bool = False  # the sorted experts in bf16: inside the compiled graphs
+    # The sorted experts' rows padded per expert to a multiple of this (the Triton grouped GEMM:
+    # 64; FP8 experts: 16; 0 = none): memory.expert_padding_rows.
+    expert_rows_align: int = 0
     # The setting that makes the train stage refuse ZeRO-3 (train.perf.compile: true, or
     # train.perf.fp8 or fp8_experts on), so that no plan offers it; "" = none.
     no_zero3: str = ""
@@ -351,6 +354,26 @@ def fp8_unsaved(d: dict[str, int], a: int, recipe: str) -> tuple[int, int]:
     return a * (attention + dense), a * (attention + moe)
 
 
+def expert_padding_rows(pairs: int, experts: int, align: int) -> int:
+    """Rows the sorted experts add to `pairs` routed (token, expert) rows when each expert's
+    rows start at a multiple of `align` (dsflow.model.fastpaths._pad_groups: a tensor of a fixed
+    size, so that nothing about the routing leaves the device): the Triton grouped GEMM's tiles
+    (64 rows, fp16, and bf16 below compute capability 9.0) and the FP8 experts' groups (16)."""
+    if not align:
+        return 0
+    return -(-(pairs + experts * align) // align) * align - pairs
+
+
+def _routed_row(d: dict[str, int], a: int, frozen_experts: bool, compiled_away: bool) -> int:
+    """Bytes autograd keeps per row of the routed experts' GEMMs (a padding row included): the
+    rows' inputs and expert-width tensors as `_mlps_per_token` counts them per pair, and the
+    int64 slot the padded order holds; one expert-width tensor fewer where the compiled layers
+    recompute it (`compiled_unsaved`'s routed term). Measured on CPU for padding rows
+    (tests/unit/plan/test_plan.py)."""
+    inputs, widths = (1, 3) if frozen_experts else (2, 4)
+    return a * (inputs * d["H"] + widths * d["mi"]) + 8 - (a * d["mi"] if compiled_away else 0)
+
+
 def activation_bytes(
     config: Any,
     *,
@@ -365,6 +388,7 @@ def activation_bytes(
     fp8: str = "off",
     experts_in_graph: bool = False,
     mtp_depth: int = 0,
+    expert_rows_align: int = 0,
 ) -> dict[str, Any]:
     """Activation memory of one micro batch, without and with activation checkpointing.
     ``ce_chunk`` > 0: the fused lm_head + cross-entropy (dsflow.model.loss) over chunks of that
@@ -377,6 +401,9 @@ def activation_bytes(
     ``experts_in_graph``: the routed experts run inside the compiled graphs (the sorted experts
     in bf16), which then keep less of theirs. ``mtp_depth``: the multi-token-prediction depths
     (:func:`mtp_activations`), kept with and without activation checkpointing.
+    ``expert_rows_align``: the sorted experts' rows padded per expert
+    (:func:`expert_padding_rows`); each MoE layer keeps its padding rows as it keeps a routed
+    (token, expert) pair's rows.
 
     ``saved_*`` is what autograd keeps between forward and backward (what
     ``torch.autograd.graph.saved_tensors_hooks`` sees, parameters excluded); ``peak_*`` adds the
@@ -401,6 +428,10 @@ def activation_bytes(
     gone_dense, gone_moe = gone_dense + fp8_dense, gone_moe + fp8_moe
     layer_dense = (per_tok_dense - gone_dense) * T + rope_per_layer
     layer_moe = (per_tok_moe - gone_moe) * T + rope_per_layer + router_weight
+    routed_row = _routed_row(
+        d, a, frozen_experts, compiled and experts_in_graph and not frozen_base
+    )
+    layer_moe += expert_padding_rows(T * K, E, expert_rows_align) * routed_row
     layers = d["n_dense"] * layer_dense + d["n_moe"] * layer_moe
     embed = 24 * T + 8 * d["rope"] * seq_len  # ids, targets, embedding indices; fp32 cos/sin
     head = (_norm(H, norm_a) + a * H) * T  # final norm + lm_head input
@@ -673,6 +704,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "fp8": setup.fp8,
         "experts_in_graph": setup.experts_in_graph,
         "mtp_depth": setup.mtp_depth,
+        "expert_rows_align": setup.expert_rows_align,
     }
 
 
@@ -716,6 +748,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         fp8=setup.fp8,
         experts_in_graph=setup.experts_in_graph,
         mtp_depth=setup.mtp_depth,
+        expert_rows_align=setup.expert_rows_align,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
     acts.update(_lora_activations(setup, acts["tokens"]))

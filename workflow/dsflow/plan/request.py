@@ -58,6 +58,23 @@ GPU_NOMINAL_GB: dict[str, int] = {
     "RTX 4090": 24,
     "RTX 3090": 24,
 }
+# The compute capability of those GPUs (the sorted experts' grouped GEMM depends on it).
+GPU_CAPABILITY: dict[str, tuple[int, int]] = {
+    "B200": (10, 0),
+    "H200 SXM": (9, 0),
+    "H200 NVL": (9, 0),
+    "H100 SXM": (9, 0),
+    "H100 NVL": (9, 0),
+    "H100 PCIe": (9, 0),
+    "A100": (8, 0),
+    "L40S": (8, 9),
+    "L40": (8, 9),
+    "L4": (8, 9),
+    "A10": (8, 6),
+    "A10G": (8, 6),
+    "RTX 4090": (8, 9),
+    "RTX 3090": (8, 6),
+}
 # Profile file names (profiles/*.yaml) that name a GPU: substring -> GPU_MEMORY_BYTES key.
 PROFILE_GPUS = (
     ("4090", "RTX 4090"),
@@ -406,33 +423,58 @@ def _resources(
     }
 
 
-def _perf(train: dict, device: str, precision: str, gpus: list[dict]) -> dict[str, Any]:
+def _perf(train: dict, args: Any, device: str, precision: str, gpus: list[dict]) -> dict[str, Any]:
     """The memory setup's fast paths as the train stage resolves train.perf
     (dsflow.model.fastpaths): the fused loss (`auto`: on CUDA, not in fp16; a chunk size
     anywhere), compiled layers (`auto`: on CUDA; never at ZeRO-3, which :func:`memory.estimate`
     applies per layout), whether the routed experts run inside them (the sorted experts, in
     bf16 and fp16, on GPUs with a grouped GEMM: below compute capability 8.0 the train stage
-    keeps HF's) and the FP8 linears' recipe."""
+    keeps HF's), how their rows are padded (:func:`_expert_rows_align`) and the FP8 linears'
+    recipe."""
     from dsflow.model import fastpaths
 
     asked = train.get("perf") or {}
     perf = {k: v for k, v in asked.items() if k in ("ce_chunk", "compile", "experts")}
     chosen = fastpaths.resolve(perf, device, precision=precision)
     fp8 = fp8_on(asked)
-    # The visible GPUs' capabilities; one not listed (a GPU named by a profile or --gpu-mem)
+    # The visible GPUs' capabilities, else the profile's GPU's; one not known (--gpu-mem)
     # counts as having the grouped GEMM, as the GPUs the profiles name do.
-    capabilities = [g.get("capability", fastpaths.GROUPED_GEMM_CAPABILITY) for g in gpus]
+    capabilities = [tuple(g["capability"]) for g in gpus if g.get("capability")]
+    if not gpus and (named := _profile_gpu(args)) is not None:
+        capabilities = [GPU_CAPABILITY[named]]
     # The train stage refuses ZeRO-3 with these (dsflow.model.fastpaths): no plan offers it.
     no_zero3 = f"train.perf.{fp8[0][0]}: {fp8[0][1]}" if fp8 else ""
     if perf.get("compile") is True:
         no_zero3 = "train.perf.compile: true"
+    in_graph = fastpaths.experts_in_graph(chosen.experts, precision, capabilities)
     return {
         "ce_chunk": chosen.ce_chunk,
         "compiled": chosen.compile,
-        "experts_in_graph": fastpaths.experts_in_graph(chosen.experts, precision, capabilities),
+        "experts_in_graph": in_graph,
+        "expert_rows_align": _expert_rows_align(asked, in_graph, precision, capabilities),
         "fp8": asked.get("fp8") or "off",  # as fastpaths.fp8_choice reads it
         "no_zero3": no_zero3,
     }
+
+
+def _expert_rows_align(
+    asked: dict, in_graph: bool, precision: str, capabilities: list[tuple[int, int]]
+) -> int:
+    """The multiple the sorted experts pad each expert's rows to on these GPUs
+    (memory.expert_padding_rows): FP8 experts' 16, the Triton grouped GEMM's tile (fp16, and
+    bf16 below compute capability 9.0: fastpaths.grouped_gemm), else 0. An unknown GPU pads in
+    fp16 (every GPU takes the Triton GEMM there) and not in bf16, as the GPUs profiles name."""
+    import torch
+
+    from dsflow.model import fastpaths
+
+    if not in_graph:  # not the sorted experts on a GPU, in 16-bit
+        return 0
+    if asked.get("fp8_experts"):
+        return fastpaths.FP8_GROUP_ROWS
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    kernels = {fastpaths.grouped_gemm(dtype, c) for c in capabilities or [(9, 0)]}
+    return fastpaths.TRITON_GEMM_ROWS if "triton" in kernels else 0
 
 
 def _balance_loss(balance: dict, config: Any) -> bool:
@@ -583,7 +625,7 @@ def resolve(
         offload_device=offload_device,
         # --gpus plans one machine; params plan train.nodes machines of train.gpus ranks each.
         nodes=1 if _arg(args, "gpus") else int(train.get("nodes", 1)),
-        **_perf(train, where["device"], _arg(args, "precision") or train["precision"], gpus),
+        **_perf(train, args, where["device"], _arg(args, "precision") or train["precision"], gpus),
         **_lora(train, args, config, mtp_depth, notes),
         **_checkpoints(train, dsconfig.Batch(micro, accum, world)),
         **where,
