@@ -222,3 +222,19 @@ def test_disk_counts_the_checkpoints_the_run_writes():
     facts = _facts(RTX4090, RTX4090_MEM, p2p=False, disk=summ["disk_bytes"] + GB)
     params = _params("profiles/rtx4090x3.yaml", max_steps=60, checkpoint_every=1000)
     assert _by_name(checks.diagnose(facts, params))["disk"].status == checks.OK
+
+
+def test_the_doctors_plan_knows_each_gpus_grouped_gemm():
+    """The doctor plans on the GPUs' compute capability, as the train stage does: an RTX 4090's
+    bf16 sorted experts take dsflow's Triton grouped GEMM, which pads their rows; an H100's
+    take torch's and do not."""
+
+    def align(names, memory, capability) -> int:
+        facts = _facts(names, memory, p2p=False)
+        for gpu in facts["gpus"]:
+            gpu["capability"] = list(capability)
+        plan = checks.plan_for(facts, _params("profiles/rtx4090x3.yaml"), 3)
+        return plan["estimate"]["inputs"]["expert_rows_align"]
+
+    assert align(RTX4090, RTX4090_MEM, (8, 9)) == 64
+    assert align(H100[:3], H100_MEM, (9, 0)) == 0

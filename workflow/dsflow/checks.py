@@ -28,7 +28,12 @@ class Check:
 def plan_for(facts: dict, params: dict, world: int) -> dict:
     """The memory plan of ``params`` on ``world`` ranks of the GPUs and host ``facts`` has."""
     gpus = [
-        {"name": g["name"], "total_memory": int(g["total_memory"])} for g in facts.get("gpus", [])
+        {
+            "name": g["name"],
+            "total_memory": int(g["total_memory"]),
+            "capability": g.get("capability"),
+        }
+        for g in facts.get("gpus", [])
     ]
     req = request.resolve(
         params,

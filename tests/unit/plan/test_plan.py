@@ -1134,27 +1134,48 @@ def test_the_triton_gemms_padding_rows_are_kept_as_the_plan_says(monkeypatch):
         ("H100", "fp16", {}, 64),  # the Triton GEMM
         ("RTX 4090", "bf16", {}, 64),  # torch's has no fast kernel below 9.0
         ("rtx4090x3.yaml", "bf16", {}, 64),  # the GPU a profile names
-        ("--gpu-mem", "bf16", {}, 0),  # an unknown GPU, as the profiles' GPUs
-        ("--gpu-mem", "fp16", {}, 64),
+        ("h100.yaml", "bf16", {}, 0),
+        ("--gpu-mem", "bf16", {}, 64),  # an unknown GPU: compute capability 8.0
         ("H100", "bf16", {"fp8_experts": True}, 16),
-        ("H100", "bf16", {"experts": "hf"}, 0),
-        ("cpu", "fp32", {}, 0),
+        ("H100", "fp16", {"experts": "hf"}, 0),
+        ("RTX 4090", "fp16", {"liger": True}, 0),  # Liger's experts replace the sorted ones
+        ("cpu", "bf16", {"experts": "sorted"}, 0),  # CPU ranks: torch's grouped GEMM
     ],
 )
 def test_the_plan_pads_the_sorted_experts_rows_where_the_train_stage_does(
     monkeypatch, tmp_path, gpu, precision, perf, align
 ):
     monkeypatch.chdir(tmp_path)
-    capability = {"H100": (9, 0), "RTX 4090": (8, 9)}.get(gpu)
+    capability = {"H100": (9, 0), "RTX 4090": (8, 9), "cpu": (8, 9)}.get(gpu)
     gpus = [{"index": 0, "name": gpu, "total_memory": 80 * GB, "capability": capability}]
-    params = _params("profiles/rtx4090x3.yaml") if gpu.endswith(".yaml") else _params()
+    params = _params()
     params["train"]["perf"] = perf
-    argv = ["--model", "medium", "--vocab", "4096", "--gpus", "1", "--precision", precision]
-    if gpu == "cpu":
+    argv = ["--model", "medium", "--vocab", "4096", "--precision", precision]
+    if gpu == "cpu":  # train.device: cpu with a GPU visible (--gpus would ask for GPUs)
         params["train"]["device"] = "cpu"
-    elif gpu.endswith(".yaml"):
+    else:
+        argv += ["--gpus", "1"]
+    if gpu.endswith(".yaml"):
         monkeypatch.setenv("DSFLOW_PROFILES", str(ROOT / "profiles" / gpu))
     elif gpu == "--gpu-mem":
         argv += ["--gpu-mem", "24"]
     req = request.resolve(params, _args(*argv), gpus=gpus if capability else [])
     assert req.expert_rows_align == align
+    # ZeRO-3 keeps HF's experts unless the sorted ones are asked for by name
+    named = perf.get("experts") == "sorted"
+    zero3 = memory.estimate(req.config, dataclasses.replace(req, zero_stage=3))
+    assert zero3["inputs"]["expert_rows_align"] == (align if named else 0)
+
+
+def test_the_padding_follows_the_gpus_the_run_takes_and_every_named_gpu_has_a_capability(
+    monkeypatch, tmp_path
+):
+    monkeypatch.chdir(tmp_path)
+    assert set(request.GPU_CAPABILITY) == set(request.GPU_MEMORY_BYTES)
+    h100, rtx = ((9, 0), "H100"), ((8, 9), "RTX 4090")
+    gpus = [{"index": i, "name": n, "total_memory": 80 * GB, "capability": c} for i, (c, n) in
+            enumerate((h100, rtx))]  # fmt: skip
+    argv = ["--model", "medium", "--vocab", "4096", "--precision", "bf16", "--gpus"]
+    one = request.resolve(_params(), _args(*argv, "1"), gpus=gpus)
+    two = request.resolve(_params(), _args(*argv, "2"), gpus=gpus)
+    assert (one.expert_rows_align, two.expert_rows_align) == (0, 64)

@@ -451,9 +451,15 @@ def smallest_machine(req: request.Request, est: dict) -> dict[str, Any]:
         if size > req.gpu_mem_bytes or n != req.world
     )
     for n, size, name in asked + [m[2:] for m in others]:
+        on = req
+        if name in request.GPU_CAPABILITY:  # another GPU: its grouped GEMM pads as it does
+            capability = [request.GPU_CAPABILITY[name]]
+            on = dataclasses.replace(
+                req, **request.rows_on(req.expert_rows, req.experts_named, capability)
+            )
         rows = cheapest_fit(
             req.config,
-            request.rebucketed(dataclasses.replace(req, world=n)),
+            request.rebucketed(dataclasses.replace(on, world=n)),
             gpu_mem_bytes=size,
             smaller_presets=False,
             checkpoints=req.checkpoints,

@@ -166,8 +166,10 @@ class Setup:
     mtp_depth: int = 0  # model.mtp_depth: DeepSeek-V3's multi-token-prediction modules
     experts_in_graph: bool = False  # the sorted experts in bf16: inside the compiled graphs
     # The sorted experts' rows padded per expert to a multiple of this (the Triton grouped GEMM:
-    # 64; FP8 experts: 16; 0 = none): memory.expert_padding_rows.
+    # 64; FP8 experts: 16; 0 = none): memory.expert_padding_rows. At ZeRO-3 the `zero3` one:
+    # train.perf.experts `auto` keeps HF's experts there (`rows_align`).
     expert_rows_align: int = 0
+    expert_rows_align_zero3: int = 0
     # The setting that makes the train stage refuse ZeRO-3 (train.perf.compile: true, or
     # train.perf.fp8 or fp8_experts on), so that no plan offers it; "" = none.
     no_zero3: str = ""
@@ -175,6 +177,11 @@ class Setup:
     @property
     def ranks_per_node(self) -> int:
         return _ceil_div(self.world, self.nodes)
+
+    @property
+    def rows_align(self) -> int:
+        """How this layout pads the sorted experts' rows (`expert_rows_align`)."""
+        return self.expert_rows_align_zero3 if self.zero_stage == 3 else self.expert_rows_align
 
     @property
     def compiles(self) -> bool:
@@ -358,7 +365,8 @@ def expert_padding_rows(pairs: int, experts: int, align: int) -> int:
     """Rows the sorted experts add to `pairs` routed (token, expert) rows when each expert's
     rows start at a multiple of `align` (dsflow.model.fastpaths._pad_groups: a tensor of a fixed
     size, so that nothing about the routing leaves the device): the Triton grouped GEMM's tiles
-    (64 rows, fp16, and bf16 below compute capability 9.0) and the FP8 experts' groups (16)."""
+    (64 rows: fp16, and bf16 outside compute capability 9.x/10.x) and the FP8 experts' groups
+    (16)."""
     if not align:
         return 0
     return -(-(pairs + experts * align) // align) * align - pairs
@@ -368,8 +376,8 @@ def _routed_row(d: dict[str, int], a: int, frozen_experts: bool, compiled_away: 
     """Bytes autograd keeps per row of the routed experts' GEMMs (a padding row included): the
     rows' inputs and expert-width tensors as `_mlps_per_token` counts them per pair, and the
     int64 slot the padded order holds; one expert-width tensor fewer where the compiled layers
-    recompute it (`compiled_unsaved`'s routed term). Measured on CPU for padding rows
-    (tests/unit/plan/test_plan.py)."""
+    recompute it (`compiled_unsaved`'s routed term, taken as it is for routed rows). Measured on
+    CPU for eager fp16 padding rows (tests/unit/plan/test_plan.py)."""
     inputs, widths = (1, 3) if frozen_experts else (2, 4)
     return a * (inputs * d["H"] + widths * d["mi"]) + 8 - (a * d["mi"] if compiled_away else 0)
 
@@ -619,10 +627,11 @@ def _scattered_gradients(s: Setup) -> bool:
 
 def _step_copies(part: int, s: Setup) -> list[int]:
     """The gradient copies stage_1_and_2's step makes of a `part`-parameter partition, in the
-    order it makes them, each alive until the step ends: it flattens the 16-bit gradients into
-    one tensor, then casts that to fp32 (in fp32 the flat copy is the cast). Measured on one
-    H200 (`moe`, micro 4 x 4, ZeRO-1, one rank): peak allocated 22.85 GB = the model states + 6
-    bytes per parameter. None with optimizer offload (the step runs on the host)."""
+    order it makes them: it flattens the 16-bit gradients into one tensor and casts that to fp32
+    (in fp32 the flat copy is the cast); both exist at the cast, the fp32 one until the group's
+    optimizer step. Measured on one H200 (`moe`, micro 4 x 4, ZeRO-1, one rank): peak allocated
+    22.85 GB = the model states + 6 bytes per parameter. None with optimizer offload (the step
+    runs on the host)."""
     if s.offload_optimizer:
         return []
     fp32 = s.precision == "fp32"
@@ -633,16 +642,18 @@ def _step_not_reused(copies: list[int], freed: int, fwd_bwd: int, s: Setup) -> i
     """Reserved bytes that the step's gradient copies add on top of forward/backward's peak
     (`fwd_bwd`, of which the activations' `freed` bytes are free again at the step).
 
-    The caching allocator places each copy in the freed memory while one block there is large
-    enough, and reserves it anew when not: the flat 16-bit copy takes part of the freed
-    activations and the fp32 cast, twice its size, may no longer fit beside it. Measured on one
-    H100 (`moe`, ZeRO-2, one rank, `expandable_segments`): at micro 4 x 4 (4.7 GB of
-    activations, copies of 2.1 and 4.1 GB) reserved 27.4 GB at a peak allocation of 23.2; at
-    micro 8 x 2 (9.4 GB of activations: both copies fit) reserved 28.6 at 26.9 planned
-    allocated. Where the gradients are scattered (`_scattered_gradients`) the activations free
-    memory in pieces between gradients, none holds a copy: at micro 8 x 2, ZeRO-1, reserved
-    31.98 GB at a peak allocation of 25.84, 6 bytes per parameter apart
-    (docs/performance.md, Planner accuracy)."""
+    The caching allocator places each copy in the freed memory while it fits there, and
+    reserves it anew when not: the flat 16-bit copy takes part of the freed activations and the
+    fp32 cast, twice its size, may no longer fit beside it. The freed bytes count as one block:
+    the ranks' allocator has `expandable_segments` (dsflow.launch), which maps freed pages
+    into one range; without it fragments could hold less. Measured on one H100 (`moe`, ZeRO-2,
+    one rank): at micro 4 x 4 (4.7 GB of activations, copies of 2.1 and 4.1 GB) reserved 27.4
+    GB at a peak allocation of 23.2; at micro 8 x 2 (9.4 GB of activations: both copies fit)
+    reserved 28.6 at 26.83 planned allocated. Where the gradients are scattered
+    (`_scattered_gradients`) the activations free memory in pieces between gradients, none
+    holds a copy: at micro 8 x 2, ZeRO-1, reserved 31.98 GB at a peak allocation of 25.84, 6
+    bytes per parameter apart (docs/performance.md, Planner accuracy). The reduce buckets,
+    freed at each backward's end with contiguous gradients, are left out: an upper bound."""
     new = sum(copies)
     if not _scattered_gradients(s):
         left, new = freed, 0
@@ -704,7 +715,7 @@ def inputs(config: Any, setup: Setup) -> dict[str, Any]:
         "fp8": setup.fp8,
         "experts_in_graph": setup.experts_in_graph,
         "mtp_depth": setup.mtp_depth,
-        "expert_rows_align": setup.expert_rows_align,
+        "expert_rows_align": setup.rows_align,
     }
 
 
@@ -748,7 +759,7 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
         fp8=setup.fp8,
         experts_in_graph=setup.experts_in_graph,
         mtp_depth=setup.mtp_depth,
-        expert_rows_align=setup.expert_rows_align,
+        expert_rows_align=setup.rows_align,
     )
     peak = "peak_checkpointing" if setup.activation_checkpointing else "peak_no_checkpointing"
     acts.update(_lora_activations(setup, acts["tokens"]))

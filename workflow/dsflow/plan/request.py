@@ -116,6 +116,10 @@ class Request(memory.Setup):
     nvme_path: str | None = None
     # model.pretrained: the checkpoint is the model, so no smaller preset is an alternative.
     pretrained: str | None = None
+    # What decides the sorted experts' padding on another GPU (rows_on): "", "fp8" or the
+    # precision of their grouped GEMM; whether train.perf.experts names them.
+    expert_rows: str = ""
+    experts_named: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
     # train.zero.reduce_bucket_size: auto: the bucket follows the micro batch and the ranks.
     bucket_auto: bool = False
@@ -423,58 +427,75 @@ def _resources(
     }
 
 
-def _perf(train: dict, args: Any, device: str, precision: str, gpus: list[dict]) -> dict[str, Any]:
+def _perf(
+    train: dict, args: Any, world: int, device: str, precision: str, gpus: list[dict]
+) -> dict[str, Any]:
     """The memory setup's fast paths as the train stage resolves train.perf
     (dsflow.model.fastpaths): the fused loss (`auto`: on CUDA, not in fp16; a chunk size
     anywhere), compiled layers (`auto`: on CUDA; never at ZeRO-3, which :func:`memory.estimate`
     applies per layout), whether the routed experts run inside them (the sorted experts, in
     bf16 and fp16, on GPUs with a grouped GEMM: below compute capability 8.0 the train stage
-    keeps HF's), how their rows are padded (:func:`_expert_rows_align`) and the FP8 linears'
-    recipe."""
+    keeps HF's), how their rows are padded (:func:`rows_on`) and the FP8 linears' recipe."""
     from dsflow.model import fastpaths
 
     asked = train.get("perf") or {}
     perf = {k: v for k, v in asked.items() if k in ("ce_chunk", "compile", "experts")}
     chosen = fastpaths.resolve(perf, device, precision=precision)
     fp8 = fp8_on(asked)
-    # The visible GPUs' capabilities, else the profile's GPU's; one not known (--gpu-mem)
-    # counts as having the grouped GEMM, as the GPUs the profiles name do.
-    capabilities = [tuple(g["capability"]) for g in gpus if g.get("capability")]
-    if not gpus and (named := _profile_gpu(args)) is not None:
-        capabilities = [GPU_CAPABILITY[named]]
+    capabilities = _capabilities(args, gpus, world)
     # The train stage refuses ZeRO-3 with these (dsflow.model.fastpaths): no plan offers it.
     no_zero3 = f"train.perf.{fp8[0][0]}: {fp8[0][1]}" if fp8 else ""
     if perf.get("compile") is True:
         no_zero3 = "train.perf.compile: true"
     in_graph = fastpaths.experts_in_graph(chosen.experts, precision, capabilities)
+    # Liger Kernel replaces the experts with its own (fastpaths._liger_experts): no padding.
+    sorted_on_gpu = device == "cuda" and in_graph and not asked.get("liger")
+    rows = ("fp8" if asked.get("fp8_experts") else precision) if sorted_on_gpu else ""
+    named = asked.get("experts", "auto") != "auto"
     return {
         "ce_chunk": chosen.ce_chunk,
         "compiled": chosen.compile,
         "experts_in_graph": in_graph,
-        "expert_rows_align": _expert_rows_align(asked, in_graph, precision, capabilities),
+        "expert_rows": rows,
+        "experts_named": named,
+        **rows_on(rows, named, capabilities),
         "fp8": asked.get("fp8") or "off",  # as fastpaths.fp8_choice reads it
         "no_zero3": no_zero3,
     }
 
 
-def _expert_rows_align(
-    asked: dict, in_graph: bool, precision: str, capabilities: list[tuple[int, int]]
-) -> int:
-    """The multiple the sorted experts pad each expert's rows to on these GPUs
-    (memory.expert_padding_rows): FP8 experts' 16, the Triton grouped GEMM's tile (fp16, and
-    bf16 below compute capability 9.0: fastpaths.grouped_gemm), else 0. An unknown GPU pads in
-    fp16 (every GPU takes the Triton GEMM there) and not in bf16, as the GPUs profiles name."""
+def _capabilities(args: Any, gpus: list[dict], world: int) -> list[tuple[int, int]]:
+    """The compute capabilities of the GPUs the run uses: the visible ones it takes, else the
+    profile's GPU's; one not known (--gpu-mem) counts as compute capability 8.0, the least
+    with a grouped GEMM (so an unknown GPU pads the sorted experts' rows in bf16 too)."""
+    from dsflow.model import fastpaths
+
+    used = gpus[: max(1, min(world, len(gpus)))]
+    known = [tuple(g["capability"]) for g in used if g.get("capability")]
+    if not known and not gpus and (named := _profile_gpu(args)) is not None:
+        known = [GPU_CAPABILITY[named]]
+    return known or [fastpaths.GROUPED_GEMM_CAPABILITY]
+
+
+def rows_on(rows: str, named: bool, capabilities: list[tuple[int, int]]) -> dict[str, int]:
+    """How the sorted experts pad their rows (memory.expert_padding_rows) on GPUs of these
+    capabilities, at ZeRO-0..2 and at ZeRO-3: `rows` is "" (no sorted experts on a GPU in
+    16-bit), "fp8" (the FP8 experts: 16) or the precision whose grouped GEMM decides (the
+    Triton one pads to its tile: fp16, and bf16 outside compute capability 9.x/10.x:
+    fastpaths.grouped_gemm). At ZeRO-3 train.perf.experts `auto` keeps HF's experts (no
+    padding); asked for by name (`named`), the sorted experts run there too."""
     import torch
 
     from dsflow.model import fastpaths
 
-    if not in_graph:  # not the sorted experts on a GPU, in 16-bit
-        return 0
-    if asked.get("fp8_experts"):
-        return fastpaths.FP8_GROUP_ROWS
-    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-    kernels = {fastpaths.grouped_gemm(dtype, c) for c in capabilities or [(9, 0)]}
-    return fastpaths.TRITON_GEMM_ROWS if "triton" in kernels else 0
+    align = 0
+    if rows == "fp8":
+        align = fastpaths.FP8_GROUP_ROWS
+    elif rows:
+        dtype = torch.float16 if rows == "fp16" else torch.bfloat16
+        kernels = {fastpaths.grouped_gemm(dtype, c) for c in capabilities}
+        align = fastpaths.TRITON_GEMM_ROWS if "triton" in kernels else 0
+    return {"expert_rows_align": align, "expert_rows_align_zero3": align if named else 0}
 
 
 def _balance_loss(balance: dict, config: Any) -> bool:
@@ -625,7 +646,9 @@ def resolve(
         offload_device=offload_device,
         # --gpus plans one machine; params plan train.nodes machines of train.gpus ranks each.
         nodes=1 if _arg(args, "gpus") else int(train.get("nodes", 1)),
-        **_perf(train, args, where["device"], _arg(args, "precision") or train["precision"], gpus),
+        **_perf(
+            train, args, world, where["device"], _arg(args, "precision") or train["precision"], gpus
+        ),
         **_lora(train, args, config, mtp_depth, notes),
         **_checkpoints(train, dsconfig.Batch(micro, accum, world)),
         **where,
