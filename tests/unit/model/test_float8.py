@@ -207,8 +207,11 @@ def test_fp8_experts_change_the_runs_fingerprint_and_keep_zero3_out_of_plans():
     del without["train"]["perf"]["fp8_experts"]
     prints = [fingerprint(p, 48, "sha") for p in (params, without, on)]
     assert prints[0] == prints[1] != prints[2]
-    assert _perf(on["train"], "cuda", "bf16", [])["no_zero3"] == "train.perf.fp8_experts: true"
-    assert _perf(params["train"], "cuda", "bf16", [])["no_zero3"] == ""
+    assert (
+        _perf(on["train"], None, 1, "cuda", "bf16", [])["no_zero3"]
+        == "train.perf.fp8_experts: true"
+    )
+    assert _perf(params["train"], None, 1, "cuda", "bf16", [])["no_zero3"] == ""
 
 
 @pytest.mark.cuda
