@@ -453,10 +453,8 @@ def smallest_machine(req: request.Request, est: dict) -> dict[str, Any]:
     for n, size, name in asked + [m[2:] for m in others]:
         on = req
         if name in request.GPU_CAPABILITY:  # another GPU: its grouped GEMM pads as it does
-            capability = [request.GPU_CAPABILITY[name]]
-            on = dataclasses.replace(
-                req, **request.rows_on(req.expert_rows, req.experts_named, capability)
-            )
+            align = request.rows_on(req.expert_rows, [request.GPU_CAPABILITY[name]])
+            on = dataclasses.replace(req, expert_rows_align=align)
         rows = cheapest_fit(
             req.config,
             request.rebucketed(dataclasses.replace(on, world=n)),

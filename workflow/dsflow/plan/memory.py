@@ -166,10 +166,10 @@ class Setup:
     mtp_depth: int = 0  # model.mtp_depth: DeepSeek-V3's multi-token-prediction modules
     experts_in_graph: bool = False  # the sorted experts in bf16: inside the compiled graphs
     # The sorted experts' rows padded per expert to a multiple of this (the Triton grouped GEMM:
-    # 64; FP8 experts: 16; 0 = none): memory.expert_padding_rows. At ZeRO-3 the `zero3` one:
-    # train.perf.experts `auto` keeps HF's experts there (`rows_align`).
+    # 64; FP8 experts: 16; 0 = none): memory.expert_padding_rows. At ZeRO-3 only where
+    # train.perf.experts names them (`experts_named`): `auto` keeps HF's experts there.
     expert_rows_align: int = 0
-    expert_rows_align_zero3: int = 0
+    experts_named: bool = False
     # The setting that makes the train stage refuse ZeRO-3 (train.perf.compile: true, or
     # train.perf.fp8 or fp8_experts on), so that no plan offers it; "" = none.
     no_zero3: str = ""
@@ -181,7 +181,7 @@ class Setup:
     @property
     def rows_align(self) -> int:
         """How this layout pads the sorted experts' rows (`expert_rows_align`)."""
-        return self.expert_rows_align_zero3 if self.zero_stage == 3 else self.expert_rows_align
+        return self.expert_rows_align if self.zero_stage != 3 or self.experts_named else 0
 
     @property
     def compiles(self) -> bool:
@@ -583,7 +583,7 @@ def _model_states(P: int, s: Setup) -> tuple[dict[str, int], dict[str, int]]:
     elif z == 3:
         grads_fp32 = 4 * min(part, DS_SUB_GROUP_SIZE)
     else:
-        grads_fp32 = sum(_step_copies(part, s))
+        grads_fp32 = sum(_step_copies(P, s))
     host = {"optimizer": 0, "gradients": 0, "parameters": 0}
     if s.offload_optimizer:
         # On the host: the fp32 master + Adam partitions, an fp32 gradient partition for the CPU
@@ -625,15 +625,16 @@ def _scattered_gradients(s: Setup) -> bool:
     return s.zero_stage == 1 and not contiguous and not s.offload_optimizer
 
 
-def _step_copies(part: int, s: Setup) -> list[int]:
-    """The gradient copies stage_1_and_2's step makes of a `part`-parameter partition, in the
-    order it makes them: it flattens the 16-bit gradients into one tensor and casts that to fp32
-    (in fp32 the flat copy is the cast); both exist at the cast, the fp32 one until the group's
-    optimizer step. Measured on one H200 (`moe`, micro 4 x 4, ZeRO-1, one rank): peak allocated
-    22.85 GB = the model states + 6 bytes per parameter. None with optimizer offload (the step
-    runs on the host)."""
-    if s.offload_optimizer:
+def _step_copies(P: int, s: Setup) -> list[int]:
+    """The gradient copies stage_1_and_2's step (ZeRO-1/2) makes of this rank's partition of
+    what trains (of `P` parameters), in the order it makes them: it flattens the 16-bit
+    gradients into one tensor and casts that to fp32 (in fp32 the flat copy is the cast); both
+    exist at the cast, the fp32 one until the group's optimizer step. Measured on one H200
+    (`moe`, micro 4 x 4, ZeRO-1, one rank): peak allocated 22.85 GB = the model states + 6 bytes
+    per parameter. None with optimizer offload (the step runs on the host)."""
+    if s.zero_stage not in (1, 2) or s.offload_optimizer:
         return []
+    part = _ceil_div(s.lora_adapter or P, s.world)
     fp32 = s.precision == "fp32"
     return [4 * part] if fp32 else [bytes_per_element(s.precision) * part, 4 * part]
 
@@ -769,11 +770,8 @@ def estimate(config: Any, setup: Setup) -> dict[str, Any]:
     fwd_bwd = sum(work.values())
     step = states["gradients_fp32_step"]
     allocated = persistent + max(fwd_bwd, step)
-    copies = _step_copies(_ceil_div(setup.lora_adapter or P, setup.world), setup)
     freed = work["activations"] + work["grad_transient"]
-    not_reused = _step_not_reused(
-        copies if setup.zero_stage in (1, 2) else [], freed, fwd_bwd, setup
-    )
+    not_reused = _step_not_reused(_step_copies(P, setup), freed, fwd_bwd, setup)
     oh = FRAMEWORK_OVERHEAD
     overhead = oh.gpu_fixed_bytes + int(oh.gpu_fraction * (allocated + not_reused))
     # Host: every rank builds the model in fp32 on CPU (dsflow.model.build) before DeepSpeed

@@ -117,9 +117,8 @@ class Request(memory.Setup):
     # model.pretrained: the checkpoint is the model, so no smaller preset is an alternative.
     pretrained: str | None = None
     # What decides the sorted experts' padding on another GPU (rows_on): "", "fp8" or the
-    # precision of their grouped GEMM; whether train.perf.experts names them.
+    # precision of their grouped GEMM.
     expert_rows: str = ""
-    experts_named: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
     # train.zero.reduce_bucket_size: auto: the bucket follows the micro batch and the ranks.
     bucket_auto: bool = False
@@ -451,14 +450,13 @@ def _perf(
     # Liger Kernel replaces the experts with its own (fastpaths._liger_experts): no padding.
     sorted_on_gpu = device == "cuda" and in_graph and not asked.get("liger")
     rows = ("fp8" if asked.get("fp8_experts") else precision) if sorted_on_gpu else ""
-    named = asked.get("experts", "auto") != "auto"
     return {
         "ce_chunk": chosen.ce_chunk,
         "compiled": chosen.compile,
         "experts_in_graph": in_graph,
         "expert_rows": rows,
-        "experts_named": named,
-        **rows_on(rows, named, capabilities),
+        "experts_named": asked.get("experts", "auto") != "auto",
+        "expert_rows_align": rows_on(rows, capabilities),
         "fp8": asked.get("fp8") or "off",  # as fastpaths.fp8_choice reads it
         "no_zero3": no_zero3,
     }
@@ -477,25 +475,22 @@ def _capabilities(args: Any, gpus: list[dict], world: int) -> list[tuple[int, in
     return known or [fastpaths.GROUPED_GEMM_CAPABILITY]
 
 
-def rows_on(rows: str, named: bool, capabilities: list[tuple[int, int]]) -> dict[str, int]:
-    """How the sorted experts pad their rows (memory.expert_padding_rows) on GPUs of these
-    capabilities, at ZeRO-0..2 and at ZeRO-3: `rows` is "" (no sorted experts on a GPU in
-    16-bit), "fp8" (the FP8 experts: 16) or the precision whose grouped GEMM decides (the
-    Triton one pads to its tile: fp16, and bf16 outside compute capability 9.x/10.x:
-    fastpaths.grouped_gemm). At ZeRO-3 train.perf.experts `auto` keeps HF's experts (no
-    padding); asked for by name (`named`), the sorted experts run there too."""
+def rows_on(rows: str, capabilities: list[tuple[int, int]]) -> int:
+    """The multiple the sorted experts pad each expert's rows to (memory.expert_padding_rows)
+    on GPUs of these capabilities: `rows` is "" (no sorted experts on a GPU in 16-bit: 0),
+    "fp8" (the FP8 experts: 16) or the precision whose grouped GEMM decides (the Triton one pads
+    to its tile: fp16, and bf16 outside compute capability 9.x/10.x: fastpaths.grouped_gemm)."""
     import torch
 
     from dsflow.model import fastpaths
 
-    align = 0
     if rows == "fp8":
-        align = fastpaths.FP8_GROUP_ROWS
-    elif rows:
-        dtype = torch.float16 if rows == "fp16" else torch.bfloat16
-        kernels = {fastpaths.grouped_gemm(dtype, c) for c in capabilities}
-        align = fastpaths.TRITON_GEMM_ROWS if "triton" in kernels else 0
-    return {"expert_rows_align": align, "expert_rows_align_zero3": align if named else 0}
+        return fastpaths.FP8_GROUP_ROWS
+    if not rows:
+        return 0
+    dtype = torch.float16 if rows == "fp16" else torch.bfloat16
+    kernels = {fastpaths.grouped_gemm(dtype, c) for c in capabilities}
+    return fastpaths.TRITON_GEMM_ROWS if "triton" in kernels else 0
 
 
 def _balance_loss(balance: dict, config: Any) -> bool:
