@@ -17,7 +17,7 @@ from dsflow.errors import UsageError
 from dsflow.model import fastpaths, mtp
 from dsflow.model.balance import ExpertBalancer
 from dsflow.model.build import build_model
-from dsflow.model.loss import TrainingLM, linear_cross_entropy, mean_loss
+from dsflow.model.loss import IGNORE, TrainingLM, linear_cross_entropy, mean_loss
 from dsflow.model.presets import model_config
 
 VOCAB = 300
@@ -161,6 +161,25 @@ def test_fused_cross_entropy_equals_the_full_one(chunk):
     assert [tuple(t.shape) for t in saved] == [tuple(hidden.shape)]
     (grad_hidden,) = torch.autograd.grad(3 * fused, (hidden,))
     torch.testing.assert_close(grad_hidden, grads[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [1000, 7])
+def test_fused_cross_entropy_leaves_ignored_targets_out_of_the_loss_and_its_gradients(chunk):
+    # A multi-token prediction depth's tail: the targets that are IGNORE, as F.cross_entropy's
+    # ignore_index: no loss, no gradient, the mean over the rest (the count the caller gives).
+    torch.manual_seed(chunk)
+    hidden = torch.randn(1000, 64, dtype=torch.float64, requires_grad=True)
+    weight = (0.1 * torch.randn(VOCAB, 64, dtype=torch.float64)).requires_grad_()
+    targets = torch.randint(0, VOCAB, (1000,))
+    targets[torch.randperm(1000)[:300]] = IGNORE
+    reference = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE)
+    grads = torch.autograd.grad(3 * reference, (hidden, weight))
+    fused = linear_cross_entropy(hidden, weight, targets, chunk, scale=8.0, count=700)
+    fused_grads = torch.autograd.grad(3 * fused, (hidden, weight))
+    torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)
+    for got, want in zip(fused_grads, grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert fused_grads[0][targets == IGNORE].abs().max() == 0
 
 
 def test_fused_cross_entropy_takes_a_loss_scale_beyond_the_16_bit_range():

@@ -23,9 +23,14 @@ VOCAB = 96
 SEQ = 12
 
 
-def tiny(depth: int, seed: int = 0):
+def tiny(depth: int, seed: int = 0, overrides: dict | None = None):
     torch.manual_seed(seed)
-    return build_model(model_config("tiny", VOCAB, {}), device_type="cpu", mtp_depth=depth)
+    config = model_config("tiny", VOCAB, overrides or {})
+    return build_model(config, device_type="cpu", mtp_depth=depth)
+
+
+# The MTP blocks dense: their index (num_hidden_layers + k - 1) below first_k_dense_replace.
+DENSE_MTP = {"first_k_dense_replace": 8}
 
 
 def windows(seed: int = 1, batch: int = 3) -> torch.Tensor:
@@ -63,15 +68,25 @@ def reference_loss(hf, w: torch.Tensor, lam: float) -> tuple[torch.Tensor, list[
     return main + lam / len(depths) * sum(depths), depths
 
 
+@pytest.mark.parametrize("block", [{}, DENSE_MTP], ids=["moe", "dense"])
 @pytest.mark.parametrize("ce_chunk", [0, 7])
-def test_the_loss_is_the_reports_equations(ce_chunk):
-    hf = tiny(2)
+def test_the_loss_and_its_gradients_are_the_reports_equations(ce_chunk, block):
+    # A dense block runs on the whole window with its tail ignored, an MoE block on the
+    # positions it predicts for: both are the equations, gradients included.
+    hf = tiny(2, overrides=block)
+    assert all(layer.full_length == bool(block) for layer in hf.mtp.layers.values())
     w = windows()
     trainee = TrainingLM(hf, ce_chunk=ce_chunk, mtp_weight=0.3)
     got = trainee(w[:, :-1], w[:, 1:])
+    got.backward()
+    grads = {name: p.grad.clone() for name, p in hf.named_parameters()}
+    hf.zero_grad()
     want, depths = reference_loss(hf, w, 0.3)
+    want.backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(trainee.last_losses[1:], torch.stack(depths).detach())
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
     # The main loss is the one validation measures.
     torch.testing.assert_close(trainee.last_losses[0], mean_loss(hf, w[:, :-1], w[:, 1:]))
 

@@ -172,17 +172,21 @@ def test_saved_activations_with_the_fused_loss_match_autograd(precision):
     assert predicted["peak_no_checkpointing"] != full["peak_no_checkpointing"]
 
 
+@pytest.mark.parametrize("block", [{}, {"first_k_dense_replace": 8}], ids=["moe", "dense"])
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize(
     "precision, ce_chunk, checkpointing",
     [("bf16", 0, False), ("bf16", 37, False), ("fp32", 0, False), ("fp32", 37, False),
      ("bf16", 37, True)],
 )  # fmt: skip
-def test_saved_activations_with_mtp_match_autograd(depth, precision, ce_chunk, checkpointing):
-    """model.mtp_depth (memory.mtp_activations): each depth keeps what one more eager MoE layer
-    keeps over seq - k tokens, its norms, eh_proj's input and a head of its own; HF's
-    checkpointing leaves the MTP layers alone (they are no HF decoder layers)."""
-    config = model_config("tiny", 1000, {"v_head_dim": 48})
+def test_saved_activations_with_mtp_match_autograd(
+    depth, precision, ce_chunk, checkpointing, block
+):
+    """model.mtp_depth (memory.mtp_activations): each depth keeps what one more eager layer
+    keeps over seq - k tokens (an MoE block) or seq (a dense one), its norms, eh_proj's input
+    and a head of its own; HF's checkpointing leaves the MTP layers alone (they are no HF
+    decoder layers)."""
+    config = model_config("tiny", 1000, {"v_head_dim": 48, **block})
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     measured = _measured_saved_bytes(config, 2, 64, dtype, ce_chunk, depth, checkpointing)
     predicted = memory.activation_bytes(

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+IGNORE = -100  # a target that counts neither in the loss nor in its mean (F.cross_entropy's)
+
 
 def to_batch(windows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.from_numpy(np.ascontiguousarray(windows)).to(device=device, dtype=torch.long)
@@ -48,27 +50,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
     `scale`: the loss scale the backward will bring (fp16's dynamic loss scaling). The logits'
     gradients are formed already multiplied by it, as the plain path's are, so in fp16 the
     small ones stay above the underflow they would meet at scale 1; the backward divides it
-    out again in fp32 (an exact 1 when grad_output is the scale)."""
+    out again in fp32 (an exact 1 when grad_output is the scale).
+
+    `count`: how many targets count (0: all). The others are IGNORE (a multi-token prediction
+    depth's tail): no loss, no gradient, and the mean is over the `count` that count, as
+    F.cross_entropy's. A number the caller knows, so that no device value is read back."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, scale):
-        n = hidden.shape[0]
+    def forward(ctx, hidden, weight, targets, chunk, scale, count):
+        rows = hidden.shape[0]
+        n = count or rows  # the mean's denominator
         # A frozen lm_head (LoRA) gets no gradient: neither its GEMM nor its fp32 buffer.
         needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 for bf16 inputs
         total = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=acc) if needs_weight else None
-        for start in range(0, n, chunk):
+        for start in range(0, rows, chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
+            kept = (t != IGNORE)[:, None] if count else None
+            t = t.clamp(min=0) if count else t
             logits = (h @ weight.t()).to(acc)
             lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            nll = lse - logits.gather(1, t[:, None]).squeeze(1)
+            total += (nll if kept is None else nll * kept[:, 0]).sum()
             if needs_hidden or needs_weight:
                 # d(sum of NLL)/d logits = softmax - one_hot(target), scaled to the mean
                 grad = torch.exp_(logits.sub_(lse[:, None]))
                 grad[torch.arange(len(t), device=t.device), t] -= 1.0
-                grad = grad.mul_(scale / n).to(hidden.dtype)
+                grad = grad.mul_(scale / n) if kept is None else grad.mul_(scale / n).mul_(kept)
+                grad = grad.to(hidden.dtype)
                 if needs_hidden:
                     grad_hidden[start : start + chunk] = grad @ weight
                 if needs_weight:
@@ -87,7 +98,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = (grad_hidden.to(acc) * factor.to(acc)).to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * factor.to(grad_weight.dtype)).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -96,17 +107,19 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     chunk: int,
     scale: float = 1.0,
+    count: int = 0,
 ) -> torch.Tensor:
     """Mean token NLL of `hidden @ weight.T` ([N, H] x [V, H]) against `targets` ([N]), equal
     to `F.cross_entropy(logits.float(), targets)` without materialising all N x V logits.
-    `scale`: the loss scale its backward will get (fp16), formed into the gradients early."""
+    `scale`: the loss scale its backward will get (fp16), formed into the gradients early.
+    `count` > 0: only that many targets count, the others are IGNORE."""
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     if not torch.is_grad_enabled():
         # The Function sees its inputs' requires_grad, not the grad mode: under no_grad it
         # would still form every gradient.
         hidden, weight = hidden.detach(), weight.detach()
-    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, float(scale))
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, float(scale), int(count))
 
 
 def _not_packed(position_ids):
@@ -203,24 +216,31 @@ class TrainingLM(torch.nn.Module):
         if not self.ce_chunk and self.mtp is None:
             with unpacked_windows():
                 return mean_loss(self.hf, inputs, targets)
+        # The MTP depths take the inputs' embeddings shifted: looked up once, for all.
+        embeds = self.model.embed_tokens(inputs) if self.mtp is not None else None
         with unpacked_windows():
-            hidden = self.model(input_ids=inputs, use_cache=False).last_hidden_state
+            hidden = self.model(
+                input_ids=None if embeds is not None else inputs,
+                inputs_embeds=embeds,
+                use_cache=False,
+            ).last_hidden_state
         head = self._head_loss()
         main = head(hidden.flatten(0, 1), targets.flatten())
         if self.mtp is None:
             return main
-        extra = self.mtp.losses(self.hf, inputs, targets, hidden, head)
+        extra = self.mtp.losses(self.hf, inputs, targets, hidden, head, embeds)
         self.last_losses = torch.stack([main.detach(), *(x.detach() for x in extra)])
         return main + (self.mtp_weight / len(extra)) * torch.stack(extra).sum()
 
-    def _head_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def _head_loss(self) -> Callable[..., torch.Tensor]:
         """Mean NLL of hidden [N, H] against targets [N] through the lm_head: fused
-        (`ce_chunk` > 0) or from full logits (as `mean_loss` computes them)."""
+        (`ce_chunk` > 0) or from full logits (as `mean_loss` computes them). A third argument,
+        `count`, says how many targets count where the others are IGNORE."""
         weight = self.lm_head.weight
         if not self.ce_chunk:
-            return lambda h, t: F.cross_entropy(self.lm_head(h).float(), t)
+            return lambda h, t, count=0: F.cross_entropy(self.lm_head(h).float(), t)
         scale = self.loss_scale() if self.loss_scale is not None else 1.0
-        return lambda h, t: linear_cross_entropy(h, weight, t, self.ce_chunk, scale)
+        return lambda h, t, count=0: linear_cross_entropy(h, weight, t, self.ce_chunk, scale, count)
 
 
 @torch.no_grad()

@@ -27,9 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsflow.errors import UsageError
+from dsflow.model.loss import IGNORE
 from dsflow.model.presets import activated_matmul_params, mtp_matmul_params
 
 
@@ -63,6 +65,8 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = DeepseekV3RMSNorm(H, eps=eps)
+        # A dense block runs on the whole window (MultiTokenPrediction.states).
+        self.full_length = not hasattr(self.mlp, "gate")
 
     def forward(self, embeds: torch.Tensor, previous: torch.Tensor, rope) -> torch.Tensor:
         h = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous)], dim=-1))
@@ -84,23 +88,38 @@ class MultiTokenPrediction(nn.Module):
             {str(first + k): MTPLayer(config, first + k) for k in range(depth)}
         )
 
-    def hidden_states(self, hf: Any, input_ids: torch.Tensor, hidden: torch.Tensor):
-        """Each depth's h^k ([batch, T - k, H]) from the main model's output `hidden`
-        ([batch, T, H]) for the inputs `input_ids` ([batch, T])."""
-        embed, rotary = hf.model.embed_tokens, hf.model.rotary_emb
+    def states(
+        self, hf: Any, input_ids: torch.Tensor, hidden: torch.Tensor, embeds=None
+    ) -> list[torch.Tensor]:
+        """Each depth's h^k from the main model's output `hidden` ([batch, T, H]) for the
+        inputs `input_ids` ([batch, T]; `embeds`: their embeddings, where the caller has them).
+
+        Depth k predicts for the first T - k positions. A depth with a dense block runs on all
+        T ([batch, T, H]): its embeddings are the inputs' shifted by k, the tail filled with the
+        first k (whatever is there: attention is causal and the rest works token by token, so
+        the tail changes no earlier position, and its targets are IGNORE). Its GEMMs keep the
+        main layers' row counts and no state is sliced or copied. An MoE block runs on the
+        T - k positions ([batch, T - k, H]): tail tokens would count in its router's balance."""
+        if embeds is None:
+            embeds = hf.model.embed_tokens(input_ids)
+        T = input_ids.shape[1]
+        if T <= len(self.layers):
+            raise ValueError(f"train.seq_len {T} leaves no tokens at depth {T}")
+        # One rotary table for every depth: position i's is the same at any length.
+        positions = torch.arange(T, device=input_ids.device)[None]
+        cos, sin = hf.model.rotary_emb(embeds, positions)
         out = []
         for k, layer in enumerate(self.layers.values(), start=1):
-            n = input_ids.shape[1] - k
-            if n <= 0:
-                raise ValueError(
-                    f"train.seq_len {input_ids.shape[1]} leaves no tokens at depth {k}"
-                )
-            positions = torch.arange(n, device=input_ids.device)[None]
-            embeds = embed(input_ids[:, k:])
-            rope = rotary(embeds, positions)
-            hidden = layer(embeds, hidden[:, :n], rope)
+            n = T if layer.full_length else T - k
+            shifted = torch.roll(embeds, -k, dims=1) if layer.full_length else embeds[:, k:]
+            hidden = layer(shifted, hidden[:, :n], (cos[:, :n], sin[:, :n]))
             out.append(hidden)
         return out
+
+    def hidden_states(self, hf: Any, input_ids: torch.Tensor, hidden: torch.Tensor):
+        """Each depth's h^k ([batch, T - k, H]: the positions it predicts for)."""
+        states = self.states(hf, input_ids, hidden)
+        return [h[:, : input_ids.shape[1] - k] for k, h in enumerate(states, start=1)]
 
     def losses(
         self,
@@ -108,15 +127,20 @@ class MultiTokenPrediction(nn.Module):
         input_ids: torch.Tensor,
         targets: torch.Tensor,
         hidden: torch.Tensor,
-        head_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        head_loss: Callable[..., torch.Tensor],
+        embeds: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """L_k for k = 1..D: the mean NLL of t_{i+k+1} (``targets[:, k:]``), each through
-        `head_loss(normed hidden [N, H], targets [N])`, the main loss's own head."""
+        `head_loss(normed hidden [N, H], targets [N], count)`, the main loss's own head; a
+        full-length depth's tail targets are IGNORE and not counted."""
         layers = list(self.layers.values())
         out = []
-        for k, h in enumerate(self.hidden_states(hf, input_ids, hidden), start=1):
+        for k, h in enumerate(self.states(hf, input_ids, hidden, embeds), start=1):
             normed = layers[k - 1].shared_head.norm(h)
-            out.append(head_loss(normed.flatten(0, 1), targets[:, k:].flatten()))
+            wanted = targets[:, k:]
+            if h.shape[1] > wanted.shape[1]:
+                wanted = F.pad(wanted, (0, k), value=IGNORE)
+            out.append(head_loss(normed.flatten(0, 1), wanted.flatten(), targets[:, k:].numel()))
         return out
 
 

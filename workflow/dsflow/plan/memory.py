@@ -500,16 +500,17 @@ def mtp_activations(
     checkpointed (it is no HF decoder layer), and its compiled graph (fastpaths.compile_layers)
     is counted as eager, an upper bound (compiled layers keep about a quarter less);
     under LoRA it keeps what it keeps in a full fine-tune, its adapters' rank outputs counted
-    with the main layers' (dsflow.model.lora.counts). Depth k, on seq_len - k positions: its
+    with the main layers' (dsflow.model.lora.counts). Depth k, on seq_len - k positions (an MoE
+    block) or all seq_len (a dense one, its tail ignored: MultiTokenPrediction.states): its
     layer, enorm and hnorm, eh_proj's 2H-wide input, and its head: shared_head.norm, then the
     lm_head's input, fp32 logits and the targets' int64 copy, or the fused loss's gradients."""
     d = presets._dims(config)
     H, V = d["H"], d["V"]
     total = 0
     for k in range(1, depth + 1):
-        n = seq_len - k
-        T = micro * n
         moe = presets.mtp_layer_is_moe(config, k)
+        n = seq_len - k if moe else seq_len
+        T = micro * n
         layer = (per_token[1] if moe else per_token[0]) + 2 * _norm(H, a) + 2 * a * H
         router_weight = 4 * d["E"] * H if moe and a < 4 else 0
         if ce_chunk:
