@@ -182,6 +182,28 @@ def test_fused_cross_entropy_leaves_ignored_targets_out_of_the_loss_and_its_grad
     assert fused_grads[0][targets == IGNORE].abs().max() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_fused_losss_softmax_gradient_compiles_whole_and_a_new_scale_is_no_new_graph(dtype):
+    # On CUDA the chunk's softmax gradient runs compiled (loss._softmax_grad): one graph, no
+    # break, the eager values, and the loss scale a tensor input rather than a constant.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dsflow.model.loss import _softmax_grad_eager
+
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(64, VOCAB)).to(dtype)
+    targets = torch.randint(0, VOCAB, (64,))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_softmax_grad_eager, backend=counter, fullgraph=True, dynamic=False)
+    for scale in (2.0**16 / 64, 2.0**15 / 64):
+        factor = torch.tensor(scale, dtype=torch.float32)
+        want = _softmax_grad_eager(logits, targets, factor)
+        got = compiled(logits, targets, factor)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+    assert counter.frame_count == 1
+
+
 def test_fused_cross_entropy_takes_a_loss_scale_beyond_the_16_bit_range():
     """DeepSpeed's dynamic loss scale starts at 2^16, above fp16's largest value: the backward
     scales in fp32 before casting, so it never turns into inf."""

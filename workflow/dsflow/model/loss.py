@@ -66,24 +66,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=acc) if needs_weight else None
+        factor = torch.full((), scale / n, dtype=acc, device=hidden.device)
         for start in range(0, rows, chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
-            kept = (t != IGNORE)[:, None] if count else None
+            # An IGNORE target's row: its loss, its hidden state's gradient and its part of
+            # the weight's are zeroed through H-wide rows, not the V-wide logits.
+            kept = (t != IGNORE)[:, None].to(hidden.dtype) if count else None
             t = t.clamp(min=0) if count else t
-            logits = (h @ weight.t()).to(acc)
-            lse = torch.logsumexp(logits, dim=-1)
-            nll = lse - logits.gather(1, t[:, None]).squeeze(1)
+            logits = h @ weight.t()
+            if not (needs_hidden or needs_weight):
+                nll = _nll(logits.to(acc), t)
+                total += (nll if kept is None else nll * kept[:, 0]).sum()
+                continue
+            nll, grad = _softmax_grad(logits, t, factor)
             total += (nll if kept is None else nll * kept[:, 0]).sum()
-            if needs_hidden or needs_weight:
-                # d(sum of NLL)/d logits = softmax - one_hot(target), scaled to the mean
-                grad = torch.exp_(logits.sub_(lse[:, None]))
-                grad[torch.arange(len(t), device=t.device), t] -= 1.0
-                grad = grad.mul_(scale / n) if kept is None else grad.mul_(scale / n).mul_(kept)
-                grad = grad.to(hidden.dtype)
-                if needs_hidden:
-                    grad_hidden[start : start + chunk] = grad @ weight
-                if needs_weight:
-                    grad_weight += (grad.t() @ h).to(acc)
+            if needs_hidden:
+                rows_grad = grad @ weight
+                grad_hidden[start : start + chunk] = rows_grad if kept is None else rows_grad * kept
+            if needs_weight:
+                grad_weight += (grad.t() @ (h if kept is None else h * kept)).to(acc)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype, ctx.scale = weight.dtype, scale
         return total / n
@@ -99,6 +100,41 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = (grad_weight * factor.to(grad_weight.dtype)).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's NLL of its target, from fp32 (or fp64) logits."""
+    lse = torch.logsumexp(logits, dim=-1)
+    return lse - logits.gather(1, targets[:, None]).squeeze(1)
+
+
+def _softmax_grad_eager(
+    logits: torch.Tensor, targets: torch.Tensor, factor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's NLL, d(sum of NLL)/d logits x `factor` in the logits' dtype) from one chunk's
+    16-bit (or fp32) logits: softmax - one_hot(target), computed in `factor`'s dtype."""
+    wide = logits.to(factor.dtype)
+    lse = torch.logsumexp(wide, dim=-1, keepdim=True)
+    nll = (lse - wide.gather(1, targets[:, None])).squeeze(1)
+    columns = torch.arange(wide.shape[1], device=wide.device)
+    grad = torch.exp(wide - lse) - (columns == targets[:, None]).to(wide.dtype)
+    return nll, (grad * factor).to(logits.dtype)
+
+
+_compiled_softmax_grad = None
+
+
+def _softmax_grad(logits, targets, factor):
+    """_softmax_grad_eager, on CUDA compiled into a reduction and one pass over the logits
+    instead of eight (the upcast, max, exp, sum, gather, subtraction, scale and downcast each
+    read and wrote the chunk's V-wide fp32 logits). The scale is a tensor: a new loss scale
+    is no new graph."""
+    global _compiled_softmax_grad
+    if not logits.is_cuda:
+        return _softmax_grad_eager(logits, targets, factor)
+    if _compiled_softmax_grad is None:
+        _compiled_softmax_grad = torch.compile(_softmax_grad_eager, dynamic=False)
+    return _compiled_softmax_grad(logits, targets, factor)
 
 
 def linear_cross_entropy(
