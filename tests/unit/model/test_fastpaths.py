@@ -191,16 +191,19 @@ def test_the_fused_losss_softmax_gradient_compiles_whole_and_a_new_scale_is_no_n
     from dsflow.model.loss import _softmax_grad_eager
 
     torch.manual_seed(0)
-    logits = (3 * torch.randn(64, VOCAB)).to(dtype)
+    logits = (3 * torch.randn(64, VOCAB + 4)).to(dtype)  # 4 columns of padding
     targets = torch.randint(0, VOCAB, (64,))
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(_softmax_grad_eager, backend=counter, fullgraph=True, dynamic=False)
     for scale in (2.0**16 / 64, 2.0**15 / 64):
         factor = torch.tensor(scale, dtype=torch.float32)
-        want = _softmax_grad_eager(logits, targets, factor)
-        got = compiled(logits, targets, factor)
+        want = _softmax_grad_eager(logits, targets, factor, VOCAB)
+        got = compiled(logits, targets, factor, VOCAB)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w)
+    assert float(got[1][:, VOCAB:].abs().max()) == 0.0  # the padding: no gradient
+    reference = F.cross_entropy(logits[:, :VOCAB].float(), targets, reduction="none")
+    torch.testing.assert_close(got[0], reference)
     assert counter.frame_count == 1
 
 

@@ -64,8 +64,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 for bf16 inputs
         total = torch.zeros((), dtype=acc, device=hidden.device)
+        vocab = weight.shape[0]
+        # cuBLAS's Hopper GEMMs want rows aligned to 16 bytes: with a vocabulary that is no
+        # multiple of 8 (a small tokenizer's) the logits' three GEMMs take an older, slower
+        # kernel. Zero rows pad the weight; the softmax leaves their logits out.
+        padded = F.pad(weight, (0, 0, 0, -vocab % 8)) if vocab % 8 else weight
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=acc) if needs_weight else None
+        grad_weight = torch.zeros_like(padded, dtype=acc) if needs_weight else None
         factor = torch.full((), scale / n, dtype=acc, device=hidden.device)
         for start in range(0, rows, chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
@@ -73,18 +78,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # the weight's are zeroed through H-wide rows, not the V-wide logits.
             kept = (t != IGNORE)[:, None].to(hidden.dtype) if count else None
             t = t.clamp(min=0) if count else t
-            logits = h @ weight.t()
+            logits = h @ padded.t()
             if not (needs_hidden or needs_weight):
-                nll = _nll(logits.to(acc), t)
+                nll = _nll(logits[:, :vocab].to(acc), t)
                 total += (nll if kept is None else nll * kept[:, 0]).sum()
                 continue
-            nll, grad = _softmax_grad(logits, t, factor)
+            nll, grad = _softmax_grad(logits, t, factor, vocab)
             total += (nll if kept is None else nll * kept[:, 0]).sum()
             if needs_hidden:
-                rows_grad = grad @ weight
+                rows_grad = grad @ padded
                 grad_hidden[start : start + chunk] = rows_grad if kept is None else rows_grad * kept
             if needs_weight:
                 grad_weight += (grad.t() @ (h if kept is None else h * kept)).to(acc)
+        if grad_weight is not None:
+            grad_weight = grad_weight[:vocab]
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype, ctx.scale = weight.dtype, scale
         return total / n
@@ -109,14 +116,17 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax_grad_eager(
-    logits: torch.Tensor, targets: torch.Tensor, factor: torch.Tensor
+    logits: torch.Tensor, targets: torch.Tensor, factor: torch.Tensor, vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(each row's NLL, d(sum of NLL)/d logits x `factor` in the logits' dtype) from one chunk's
-    16-bit (or fp32) logits: softmax - one_hot(target), computed in `factor`'s dtype."""
+    16-bit (or fp32) logits: softmax - one_hot(target), computed in `factor`'s dtype. Columns
+    from `vocab` on are padding: no probability, no gradient."""
     wide = logits.to(factor.dtype)
+    columns = torch.arange(wide.shape[1], device=wide.device)
+    if vocab < wide.shape[1]:
+        wide = wide.masked_fill(columns >= vocab, float("-inf"))
     lse = torch.logsumexp(wide, dim=-1, keepdim=True)
     nll = (lse - wide.gather(1, targets[:, None])).squeeze(1)
-    columns = torch.arange(wide.shape[1], device=wide.device)
     grad = torch.exp(wide - lse) - (columns == targets[:, None]).to(wide.dtype)
     return nll, (grad * factor).to(logits.dtype)
 
@@ -124,17 +134,17 @@ def _softmax_grad_eager(
 _compiled_softmax_grad = None
 
 
-def _softmax_grad(logits, targets, factor):
+def _softmax_grad(logits, targets, factor, vocab):
     """_softmax_grad_eager, on CUDA compiled into a reduction and one pass over the logits
     instead of eight (the upcast, max, exp, sum, gather, subtraction, scale and downcast each
     read and wrote the chunk's V-wide fp32 logits). The scale is a tensor: a new loss scale
     is no new graph."""
     global _compiled_softmax_grad
     if not logits.is_cuda:
-        return _softmax_grad_eager(logits, targets, factor)
+        return _softmax_grad_eager(logits, targets, factor, vocab)
     if _compiled_softmax_grad is None:
         _compiled_softmax_grad = torch.compile(_softmax_grad_eager, dynamic=False)
-    return _compiled_softmax_grad(logits, targets, factor)
+    return _compiled_softmax_grad(logits, targets, factor, vocab)
 
 
 def linear_cross_entropy(
