@@ -57,7 +57,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     F.cross_entropy's. A number the caller knows, so that no device value is read back."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, scale, count):
+    def forward(ctx, hidden, weight, targets, chunk, scale, count, compiled):
         rows = hidden.shape[0]
         n = count or rows  # the mean's denominator
         # A frozen lm_head (LoRA) gets no gradient: neither its GEMM nor its fp32 buffer.
@@ -83,7 +83,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 nll = _nll(logits[:, :vocab].to(acc), t)
                 total += (nll if kept is None else nll * kept[:, 0]).sum()
                 continue
-            nll, grad = _softmax_grad(logits, t, factor, vocab)
+            nll, grad = _softmax_grad(logits, t, factor, vocab, compiled)
             total += (nll if kept is None else nll * kept[:, 0]).sum()
             if needs_hidden:
                 rows_grad = grad @ padded
@@ -106,7 +106,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = (grad_hidden.to(acc) * factor.to(acc)).to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * factor.to(grad_weight.dtype)).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -134,13 +134,13 @@ def _softmax_grad_eager(
 _compiled_softmax_grad = None
 
 
-def _softmax_grad(logits, targets, factor, vocab):
-    """_softmax_grad_eager, on CUDA compiled into a reduction and one pass over the logits
-    instead of eight (the upcast, max, exp, sum, gather, subtraction, scale and downcast each
-    read and wrote the chunk's V-wide fp32 logits). The scale is a tensor: a new loss scale
-    is no new graph."""
+def _softmax_grad(logits, targets, factor, vocab, compiled):
+    """_softmax_grad_eager; `compiled` (train.perf.compile) and on CUDA compiled into a
+    reduction and one pass over the logits instead of eight (the upcast, max, exp, sum, gather,
+    subtraction, scale and downcast each read and wrote the chunk's V-wide fp32 logits). The
+    scale is a tensor: a new loss scale is no new graph."""
     global _compiled_softmax_grad
-    if not logits.is_cuda:
+    if not (compiled and logits.is_cuda):
         return _softmax_grad_eager(logits, targets, factor, vocab)
     if _compiled_softmax_grad is None:
         _compiled_softmax_grad = torch.compile(_softmax_grad_eager, dynamic=False)
@@ -154,18 +154,21 @@ def linear_cross_entropy(
     chunk: int,
     scale: float = 1.0,
     count: int = 0,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Mean token NLL of `hidden @ weight.T` ([N, H] x [V, H]) against `targets` ([N]), equal
     to `F.cross_entropy(logits.float(), targets)` without materialising all N x V logits.
     `scale`: the loss scale its backward will get (fp16), formed into the gradients early.
-    `count` > 0: only that many targets count, the others are IGNORE."""
+    `count` > 0: only that many targets count, the others are IGNORE. `compiled`: the softmax
+    gradient compiled on CUDA (train.perf.compile)."""
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     if not torch.is_grad_enabled():
         # The Function sees its inputs' requires_grad, not the grad mode: under no_grad it
         # would still form every gradient.
         hidden, weight = hidden.detach(), weight.detach()
-    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, float(scale), int(count))
+    args = (float(scale), int(count), bool(compiled))
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, *args)
 
 
 def _not_packed(position_ids):
@@ -209,6 +212,7 @@ class TrainingLM(torch.nn.Module):
     parameters, state_dict and checkpoints are the HF model's; `.hf` is the HF model itself
     (for validation, generation and `save_pretrained`). `ce_chunk` > 0 fuses the lm_head with
     the cross-entropy (`linear_cross_entropy`); 0 computes full logits, as `mean_loss` does.
+    `compiled` (train.perf.compile): the fused loss's softmax gradient compiled on CUDA too.
     `loss_scale`, where set (fp16), returns the loss scale of the coming backward: the fused
     loss forms its gradients at that scale.
 
@@ -231,6 +235,7 @@ class TrainingLM(torch.nn.Module):
         mtp_weight: float | dict = 0.3,
         steps: int = 1,
         hf_loss: bool = False,
+        compiled: bool = False,
     ):
         super().__init__()
         self.model = hf.model
@@ -241,6 +246,7 @@ class TrainingLM(torch.nn.Module):
         self.last_losses: torch.Tensor | None = None
         self.ce_chunk = int(ce_chunk)
         self.hf_loss = hf_loss
+        self.compiled = compiled
         self.loss_scale: Callable[[], float] | None = None
         object.__setattr__(self, "hf", hf)  # not a submodule: no second name for each weight
 
@@ -286,7 +292,10 @@ class TrainingLM(torch.nn.Module):
         if not self.ce_chunk:
             return lambda h, t, count=0: F.cross_entropy(self.lm_head(h).float(), t)
         scale = self.loss_scale() if self.loss_scale is not None else 1.0
-        return lambda h, t, count=0: linear_cross_entropy(h, weight, t, self.ce_chunk, scale, count)
+        chunk, compiled = self.ce_chunk, self.compiled
+        return lambda h, t, count=0: linear_cross_entropy(
+            h, weight, t, chunk, scale, count, compiled
+        )
 
 
 @torch.no_grad()

@@ -102,7 +102,12 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
         _gather_moe_blocks_whole(model)
     mtp_weight = spec.mtp.get("weight", 0.3)
     trainee = TrainingLM(
-        model, ce_chunk=perf.ce_chunk, mtp_weight=mtp_weight, steps=spec.steps, hf_loss=perf.liger
+        model,
+        ce_chunk=perf.ce_chunk,
+        mtp_weight=mtp_weight,
+        steps=spec.steps,
+        hf_loss=perf.liger,
+        compiled=perf.compile,
     )
     trainee = _universal(trainee)
     trainable = [p for p in trainee.parameters() if p.requires_grad]
