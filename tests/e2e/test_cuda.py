@@ -99,12 +99,16 @@ MODEL_PATHS = {name: ALONE[name] for name in ON_MODEL} | {"all": ALL_BUT_GRAPHS}
 
 
 def fast_path_gradients(
-    device: str, path: dict, dtype: str = "float32", family: str = "deepseek_v3"
+    device: str,
+    path: dict,
+    dtype: str = "float32",
+    family: str = "deepseek_v3",
+    vocab: int = 384,
 ):
     """One forward and backward of the tiny preset in `dtype` (a batch like the train tests':
     4 x 64 tokens), the family's balance loss included: (loss, aux, {name: fp32 gradient}).
     `path`: fastpaths.Perf's fields over PLAIN's ({} for the plain path); `family`: the tiny
-    shape as a DeepSeek-V3 or a DeepSeek-V2 model."""
+    shape as a DeepSeek-V3 or a DeepSeek-V2 model; `vocab`: its vocabulary."""
     import torch
     import torch._dynamo
 
@@ -117,19 +121,20 @@ def fast_path_gradients(
     torch._dynamo.reset()
     torch.manual_seed(0)
     if family == "deepseek_v2":
-        config = model_config("deepseek-v2-lite", 384, conftest.tiny_v2())
+        config = model_config("deepseek-v2-lite", vocab, conftest.tiny_v2())
     else:
-        config = model_config("tiny", 384)
+        config = model_config("tiny", vocab)
     model = build_model(config, device_type=device).to(device).train()
     for p in model.parameters():  # as DeepSpeed casts: parameters, not buffers
         p.data = p.data.to(getattr(torch, dtype))
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 384, (4, 65), generator=g).to(device)
+    tokens = torch.randint(0, vocab, (4, 65), generator=g).to(device)
     balancer = ExpertBalancer(model, gamma=0.0, seq_aux_alpha=0.01)
     wanted = fastpaths.Perf(**{**PLAIN, **path})
     perf = fastpaths.apply(model, wanted, balancer, torch.device(device))
     assert perf.experts == wanted.experts
-    trainee = TrainingLM(model, ce_chunk=perf.ce_chunk, hf_loss=perf.liger)
+    # As the train stage builds it (dsflow.train.engine): the fused loss compiled with the layers.
+    trainee = TrainingLM(model, ce_chunk=perf.ce_chunk, hf_loss=perf.liger, compiled=perf.compile)
     for _ in range(2):  # the second call runs the compiled graphs from their cache
         model.zero_grad(set_to_none=True)
         loss = trainee(tokens[:, :-1], tokens[:, 1:])
@@ -180,6 +185,20 @@ def test_cuda_each_fast_path_gives_the_plain_paths_gradients(plain_gradients, pa
     gaps = gradient_gaps(plain, fast)
     worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:8]
     assert max(gaps.values()) <= 1e-4, worst
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_fast_paths_with_a_vocabulary_no_multiple_of_8_give_the_plain_paths_gradients():
+    """A small tokenizer's vocabulary (383): the fused loss pads the head's weight to 384 rows
+    for cuBLAS's aligned GEMMs and leaves the padding out of its compiled softmax; fp32, every
+    fast path but CUDA graphs, against the plain path, as above."""
+    loss0, aux0, plain = fast_path_gradients("cuda", {}, vocab=383)
+    loss, aux, fast = fast_path_gradients("cuda", ALL_BUT_GRAPHS, vocab=383)
+    assert loss == pytest.approx(loss0, rel=1e-5)
+    assert aux == pytest.approx(aux0, rel=1e-5)
+    gaps = gradient_gaps(plain, fast)
+    assert max(gaps.values()) <= 1e-4, sorted(gaps.items(), key=lambda kv: -kv[1])[:8]
 
 
 @pytest.mark.cuda

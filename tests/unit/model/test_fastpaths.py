@@ -4,6 +4,7 @@ dsflow.data.shards) compute what the plain HF path computes: same logits, losses
 from __future__ import annotations
 
 import copy
+import weakref
 
 import numpy as np
 import pytest
@@ -191,20 +192,63 @@ def test_the_fused_losss_softmax_gradient_compiles_whole_and_a_new_scale_is_no_n
     from dsflow.model.loss import _softmax_grad_eager
 
     torch.manual_seed(0)
-    logits = (3 * torch.randn(64, VOCAB + 4)).to(dtype)  # 4 columns of padding
+    h = torch.randn(64, 32).to(dtype)
+    weight = F.pad(0.5 * torch.randn(VOCAB, 32), (0, 0, 0, 4)).to(dtype)  # 4 rows of padding
     targets = torch.randint(0, VOCAB, (64,))
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(_softmax_grad_eager, backend=counter, fullgraph=True, dynamic=False)
     for scale in (2.0**16 / 64, 2.0**15 / 64):
         factor = torch.tensor(scale, dtype=torch.float32)
-        want = _softmax_grad_eager(logits, targets, factor, VOCAB)
-        got = compiled(logits, targets, factor, VOCAB)
+        want = _softmax_grad_eager(h, weight, targets, factor, VOCAB)
+        got = compiled(h, weight, targets, factor, VOCAB)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w)
     assert float(got[1][:, VOCAB:].abs().max()) == 0.0  # the padding: no gradient
-    reference = F.cross_entropy(logits[:, :VOCAB].float(), targets, reduction="none")
-    torch.testing.assert_close(got[0], reference)
+    logits = (h @ weight.t())[:, :VOCAB].float()
+    torch.testing.assert_close(got[0], F.cross_entropy(logits, targets, reduction="none"))
     assert counter.frame_count == 1
+
+
+class _PeakBytes(TorchDispatchMode):
+    """The most bytes that tensors made inside the mode held at once (views share theirs;
+    `inputs` and their views are not counted)."""
+
+    def __init__(self, inputs: list[torch.Tensor]):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = {t.untyped_storage().data_ptr() for t in inputs}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self.seen and storage.nbytes():
+                    self.seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.live -= nbytes
+
+
+def test_the_fused_losss_eager_softmax_gradient_holds_one_wide_copy_of_the_logits():
+    # Eagerly (CPU, or train.perf.compile off) the chunk's logits are widened once and worked
+    # on in place: at most one fp32 and one 16-bit copy of them at a time, as the plan counts.
+    from dsflow.model.loss import _softmax_grad_eager
+
+    rows, vocab = 64, 4000
+    h = torch.randn(rows, 32).to(torch.bfloat16)
+    weight = torch.randn(vocab, 32).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows,))
+    factor = torch.tensor(1 / rows)
+    with _PeakBytes([h, weight, targets, factor]) as peak:
+        _softmax_grad_eager(h, weight, targets, factor, vocab)
+    assert (4 + 2) * rows * vocab <= peak.peak <= (4 + 2) * rows * vocab + 64 * rows
 
 
 def test_fused_cross_entropy_takes_a_loss_scale_beyond_the_16_bit_range():

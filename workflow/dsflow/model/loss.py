@@ -78,12 +78,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # the weight's are zeroed through H-wide rows, not the V-wide logits.
             kept = (t != IGNORE)[:, None].to(hidden.dtype) if count else None
             t = t.clamp(min=0) if count else t
-            logits = h @ padded.t()
             if not (needs_hidden or needs_weight):
-                nll = _nll(logits[:, :vocab].to(acc), t)
+                nll = _nll((h @ padded.t())[:, :vocab].to(acc), t)
                 total += (nll if kept is None else nll * kept[:, 0]).sum()
                 continue
-            nll, grad = _softmax_grad(logits, t, factor, vocab, compiled)
+            nll, grad = _softmax_grad(h, padded, t, factor, vocab, compiled)
             total += (nll if kept is None else nll * kept[:, 0]).sum()
             if needs_hidden:
                 rows_grad = grad @ padded
@@ -116,35 +115,37 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax_grad_eager(
-    logits: torch.Tensor, targets: torch.Tensor, factor: torch.Tensor, vocab: int
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, factor: torch.Tensor, vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each row's NLL, d(sum of NLL)/d logits x `factor` in the logits' dtype) from one chunk's
-    16-bit (or fp32) logits: softmax - one_hot(target), computed in `factor`'s dtype. Columns
-    from `vocab` on are padding: no probability, no gradient."""
-    wide = logits.to(factor.dtype)
-    columns = torch.arange(wide.shape[1], device=wide.device)
+    """(each row's NLL, d(sum of NLL)/d logits x `factor` in `h`'s dtype) for one chunk: its
+    logits `h @ weight.T`, softmax - one_hot(target) computed in `factor`'s dtype. Columns from
+    `vocab` on are padding: no probability, no gradient. In place on one widened copy of the
+    logits (the 16-bit product is freed once cast), so eagerly a chunk holds one fp32 and one
+    16-bit copy at most, as the plan counts (dsflow.plan.memory._fused_head)."""
+    wide = (h @ weight.t()).to(factor.dtype)
     if vocab < wide.shape[1]:
-        wide = wide.masked_fill(columns >= vocab, float("-inf"))
+        wide[:, vocab:] = float("-inf")
     lse = torch.logsumexp(wide, dim=-1, keepdim=True)
     nll = (lse - wide.gather(1, targets[:, None])).squeeze(1)
-    grad = torch.exp(wide - lse) - (columns == targets[:, None]).to(wide.dtype)
-    return nll, (grad * factor).to(logits.dtype)
+    grad = wide.sub_(lse).exp_()
+    grad[torch.arange(len(targets), device=targets.device), targets] -= 1.0
+    return nll, grad.mul_(factor).to(h.dtype)
 
 
 _compiled_softmax_grad = None
 
 
-def _softmax_grad(logits, targets, factor, vocab, compiled):
+def _softmax_grad(h, weight, targets, factor, vocab, compiled):
     """_softmax_grad_eager; `compiled` (train.perf.compile) and on CUDA compiled into a
     reduction and one pass over the logits instead of eight (the upcast, max, exp, sum, gather,
     subtraction, scale and downcast each read and wrote the chunk's V-wide fp32 logits). The
     scale is a tensor: a new loss scale is no new graph."""
     global _compiled_softmax_grad
-    if not (compiled and logits.is_cuda):
-        return _softmax_grad_eager(logits, targets, factor, vocab)
+    if not (compiled and h.is_cuda):
+        return _softmax_grad_eager(h, weight, targets, factor, vocab)
     if _compiled_softmax_grad is None:
         _compiled_softmax_grad = torch.compile(_softmax_grad_eager, dynamic=False)
-    return _compiled_softmax_grad(logits, targets, factor, vocab)
+    return _compiled_softmax_grad(h, weight, targets, factor, vocab)
 
 
 def linear_cross_entropy(

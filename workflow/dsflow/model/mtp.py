@@ -104,7 +104,10 @@ class MultiTokenPrediction(nn.Module):
             embeds = hf.model.embed_tokens(input_ids)
         T = input_ids.shape[1]
         if T <= len(self.layers):
-            raise ValueError(f"train.seq_len {T} leaves no tokens at depth {T}")
+            raise ValueError(
+                f"train.seq_len {T} leaves no tokens at depth {T} (model.mtp_depth "
+                f"{len(self.layers)})"
+            )
         # One rotary table for every depth: position i's is the same at any length.
         positions = torch.arange(T, device=input_ids.device)[None]
         cos, sin = hf.model.rotary_emb(embeds, positions)
