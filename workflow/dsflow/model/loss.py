@@ -281,7 +281,7 @@ class TrainingLM(torch.nn.Module):
         main = head(hidden.flatten(0, 1), targets.flatten())
         if self.mtp is None:
             return main
-        extra = self.mtp.losses(self.hf, inputs, targets, hidden, head, embeds)
+        extra = self.mtp.losses(self.hf, inputs, targets, hidden, head, embeds, ignore=IGNORE)
         self.last_losses = torch.stack([main.detach(), *(x.detach() for x in extra)])
         return main + (self.mtp_weight / len(extra)) * torch.stack(extra).sum()
 

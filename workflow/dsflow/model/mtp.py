@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsflow.errors import UsageError
-from dsflow.model.loss import IGNORE
 from dsflow.model.presets import activated_matmul_params, mtp_matmul_params
 
 
@@ -132,17 +131,20 @@ class MultiTokenPrediction(nn.Module):
         hidden: torch.Tensor,
         head_loss: Callable[..., torch.Tensor],
         embeds: torch.Tensor | None = None,
+        *,
+        ignore: int,
     ) -> list[torch.Tensor]:
         """L_k for k = 1..D: the mean NLL of t_{i+k+1} (``targets[:, k:]``), each through
         `head_loss(normed hidden [N, H], targets [N], count)`, the main loss's own head; a
-        full-length depth's tail targets are IGNORE and not counted."""
+        full-length depth's tail targets are `ignore` (the head's value for a target that does
+        not count: dsflow.model.loss.IGNORE) and not counted."""
         layers = list(self.layers.values())
         out = []
         for k, h in enumerate(self.states(hf, input_ids, hidden, embeds), start=1):
             normed = layers[k - 1].shared_head.norm(h)
             wanted = targets[:, k:]
             if h.shape[1] > wanted.shape[1]:
-                wanted = F.pad(wanted, (0, k), value=IGNORE)
+                wanted = F.pad(wanted, (0, k), value=ignore)
             out.append(head_loss(normed.flatten(0, 1), wanted.flatten(), targets[:, k:].numel()))
         return out
 
