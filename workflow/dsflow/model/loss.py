@@ -137,8 +137,8 @@ _compiled_softmax_grad = None
 
 def _softmax_grad(h, weight, targets, factor, vocab, compiled):
     """_softmax_grad_eager; `compiled` (train.perf.compile) and on CUDA compiled into a
-    reduction and one pass over the logits instead of eight (the upcast, max, exp, sum, gather,
-    subtraction, scale and downcast each read and wrote the chunk's V-wide fp32 logits). The
+    reduction and one pass over the logits instead of the eager path's six (the upcast,
+    logsumexp, subtraction, exp, scale and downcast each read the chunk's V-wide logits). The
     scale is a tensor: a new loss scale is no new graph."""
     global _compiled_softmax_grad
     if not (compiled and h.is_cuda):
