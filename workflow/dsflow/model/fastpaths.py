@@ -8,8 +8,9 @@
 - `compile`: torch.compile of every decoder layer ("regional" compilation, as torchtitan does):
   the identical layers share one compiled graph, so compilation takes seconds per layer kind,
   not minutes for the whole model, and the model object, its parameter names and HF export
-  stay untouched; on CUDA the fused loss's softmax gradient is compiled too. The expert balancer's router hook runs eagerly between the graphs, which
-  splits each MoE layer into several; `compile_router_hooks: true` traces it into the layer's
+  stay untouched; on CUDA the fused loss's softmax gradient is compiled too. The expert
+  balancer's router hook runs eagerly between the graphs, which splits each MoE layer into
+  several; `compile_router_hooks: true` traces it into the layer's
   graph instead (not with activation checkpointing, where the hook must tell recomputations
   apart). On a GPU that gives one graph per layer with `experts: sorted` in bf16 (in other
   dtypes they run eagerly between the graphs: see sorted_experts_forward); HF's grouped_mm

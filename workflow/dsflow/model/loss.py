@@ -291,7 +291,9 @@ class TrainingLM(torch.nn.Module):
         `count`, says how many targets count where the others are IGNORE."""
         weight = self.lm_head.weight
         if not self.ce_chunk:
-            return lambda h, t, count=0: F.cross_entropy(self.lm_head(h).float(), t)
+            return lambda h, t, count=0: F.cross_entropy(
+                self.lm_head(h).float(), t, ignore_index=IGNORE
+            )
         scale = self.loss_scale() if self.loss_scale is not None else 1.0
         chunk, compiled = self.ce_chunk, self.compiled
         return lambda h, t, count=0: linear_cross_entropy(

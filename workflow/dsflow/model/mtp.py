@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsflow.errors import UsageError
-from dsflow.model.presets import activated_matmul_params, mtp_matmul_params
+from dsflow.model.presets import activated_matmul_params, mtp_layer_is_moe, mtp_matmul_params
 
 
 def check_depth(depth: int, model_type: str) -> None:
@@ -64,8 +64,10 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = DeepseekV3RMSNorm(H, eps=eps)
-        # A dense block runs on the whole window (MultiTokenPrediction.states).
-        self.full_length = not hasattr(self.mlp, "gate")
+        # A dense block runs on the whole window (MultiTokenPrediction.states); the planner
+        # decides dense or MoE by the same rule.
+        depth = layer_idx - config.num_hidden_layers + 1
+        self.full_length = not mtp_layer_is_moe(config, depth)
 
     def forward(self, embeds: torch.Tensor, previous: torch.Tensor, rope) -> torch.Tensor:
         h = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous)], dim=-1))
@@ -143,9 +145,10 @@ class MultiTokenPrediction(nn.Module):
         for k, h in enumerate(self.states(hf, input_ids, hidden, embeds), start=1):
             normed = layers[k - 1].shared_head.norm(h)
             wanted = targets[:, k:]
+            count = wanted.numel()
             if h.shape[1] > wanted.shape[1]:
                 wanted = F.pad(wanted, (0, k), value=ignore)
-            out.append(head_loss(normed.flatten(0, 1), wanted.flatten(), targets[:, k:].numel()))
+            out.append(head_loss(normed.flatten(0, 1), wanted.flatten(), count))
         return out
 
 
