@@ -102,34 +102,6 @@ def test_schema_names_the_key_of_a_bad_offload_or_stage():
         assert key in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_auto_with_gradient_accumulation_takes_zero1_then_zero2_on_several_gpus():
-    # ZeRO-2 reduces the gradients after every micro-step, ZeRO-1 once a step: with
-    # accumulation ZeRO-1 comes first where its full gradients fit, then ZeRO-2.
-    medium = params_mod.deep_merge(
-        params(zero_stage="auto", micro_batch=1, grad_accum=2, seq_len=1024),
-        {"model": {"preset": "medium"}, "train": {"zero": {"reduce_bucket_size": 200_000_000}}},
-    )
-    gb, host = 10**9, 1000 * 10**9
-    req = request.resolve(medium, None, world=3, gpu_mem_bytes=80 * gb)
-    zero1, zero2 = (
-        layouts.memory.estimate(req.config, req.layout(z, False, False))["gpu"]["total"]
-        for z in (1, 2)
-    )
-    assert zero1 > zero2  # the full 16-bit gradients
-    picked = layouts.auto_layout(medium, 3, "cuda", 80 * gb, host)
-    assert picked[:3] == (1, False, False)
-    assert "ZeRO-1: accumulation 2 reduces the gradients once a step" in picked[3]
-    between = (zero1 + zero2) // 2
-    assert layouts.auto_layout(medium, 3, "cuda", between, host)[:3] == (2, False, False)
-    # The accumulation a global batch makes counts the same; without any, ZeRO-2 first.
-    by_global = params_mod.deep_merge(medium, {"train": {"grad_accum": None, "global_batch": 6}})
-    assert layouts.auto_layout(by_global, 3, "cuda", 80 * gb, host)[:3] == (1, False, False)
-    once = params_mod.deep_merge(medium, {"train": {"grad_accum": 1}})
-    assert layouts.auto_layout(once, 3, "cuda", 80 * gb, host)[:3] == (2, False, False)
-    # One GPU keeps its own order (the fused optimizer at ZeRO-0 by default).
-    assert layouts.auto_layout(medium, 1, "cuda", 80 * gb, host)[:3] == (0, False, False)
-
-
 def test_auto_picks_the_cheapest_layout_that_fits():
     auto = params(zero_stage="auto", micro_batch=1, seq_len=1024)
     # CPU: nothing to fit, the fewest collectives.

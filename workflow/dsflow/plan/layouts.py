@@ -596,17 +596,15 @@ def cpu_layout(train: dict) -> tuple[int, bool, bool, str]:
     return stage, want_opt, want_par, "a CPU run: no GPU memory to fit, the fewest collectives"
 
 
-def fit_reason(setup: request.Request, est: dict) -> str:
+def fit_reason(zero_stage: int, est: dict, gpu_mem_bytes: int) -> str:
     """Why `auto` took this layout, for the train stage's log line."""
     gb = f"{memory.round_gb(est['gpu']['total']):.1f} of "
-    gb += f"{memory.round_gb(setup.gpu_mem_bytes):.1f} GB per GPU"
-    zero1 = (
-        " (one GPU: ZeRO-1, no gradient hooks)"
-        if setup.world == 1
-        else f" (ZeRO-1: accumulation {setup.grad_accum} reduces the gradients once a step)"
-    )
-    why = {0: " (ZeRO-0, for dsflow's fused optimizer)", 1: zero1}.get(setup.zero_stage, "")
-    return f"the planner's cheapest fit{why}: {gb}"
+    gb += f"{memory.round_gb(gpu_mem_bytes):.1f} GB per GPU"
+    alone = {
+        0: " (ZeRO-0, for dsflow's fused optimizer)",
+        1: " (one GPU: ZeRO-1, no gradient hooks)",
+    }.get(zero_stage, "")
+    return f"the planner's cheapest fit{alone}: {gb}"
 
 
 def layout_order(req: request.Request) -> list[tuple[int, bool, bool]]:
@@ -620,9 +618,7 @@ def layout_order(req: request.Request) -> list[tuple[int, bool, bool]]:
         # DeepSpeed's classic and tested path) comes first.
         order = [(first, False, False), (2, True, False), (3, True, False), (3, True, True)]
     else:
-        # After ZeRO-1 (gradient accumulation) comes ZeRO-2, which holds no full gradients.
-        order = [(first, False, False)] + ([(2, False, False)] if first == 1 else [])
-        order += [(3, False, False), (3, True, False), (3, True, True)]
+        order = [(first, False, False), (3, False, False), (3, True, False), (3, True, True)]
     if req.no_zero3:
         order = [o for o in order if o[0] != 3 and o != (2, True, False)]
         order += [(2, False, False), (2, True, False)]
@@ -647,7 +643,7 @@ def first_fit(req: request.Request, host_mem_bytes: int | None) -> tuple[memory.
         est = memory.estimate(req.config, setup)
         fits, reason = verdict(est, req.gpu_mem_bytes, host_mem_bytes)
         if fits:
-            return setup, est, fit_reason(setup, est)
+            return setup, est, fit_reason(z, est, req.gpu_mem_bytes)
     rows = cheapest_fit(
         req.config,
         req,
@@ -677,8 +673,7 @@ def auto_layout(
     host_mem_bytes: int | None = None,
 ) -> tuple[int, bool, bool, str]:
     """`train.zero_stage: auto`: (stage, offload optimizer, offload params, why) of the first
-    memory layout that fits GPU (and host) memory, in cost order ZeRO-2 (with gradient
-    accumulation ZeRO-1 first: one gradient reduction a step), ZeRO-3, + optimizer
+    memory layout that fits GPU (and host) memory, in cost order ZeRO-2, ZeRO-3, + optimizer
     offload, + parameter offload (one GPU: ZeRO-1, then ZeRO-2 + optimizer offload, then
     ZeRO-3 with offload; ZeRO-0 first wherever train.perf.optimizer asks for the fused
     optimizer; no ZeRO-3 where train.perf.compile is true or train.perf.fp8 on), at the

@@ -171,27 +171,16 @@ def fused_optimizer_wanted(train: dict, world: int) -> bool:
 
 
 def auto_first_stage(train: dict, world: int) -> int:
-    """The first ZeRO stage `train.zero_stage: auto` tries on GPUs: ZeRO-2; with gradient
-    accumulation ZeRO-1, which reduces the gradients once a step where ZeRO-2 reduces them after
-    every micro-step (accum times the traffic, and DeepSpeed's per-parameter work each time);
-    on one GPU, where there is nothing to partition, ZeRO-1 (no per-parameter gradient hooks);
-    ZeRO-0 where dsflow's fused optimizer is wanted (`fused_optimizer_wanted`: on one GPU by
-    default), the one stage it runs at; ZeRO-3 with parameter offload (it exists only there)."""
+    """The first ZeRO stage `train.zero_stage: auto` tries on GPUs: ZeRO-2; on one GPU, where
+    there is nothing to partition, ZeRO-1 (no per-parameter gradient hooks); ZeRO-0 where
+    dsflow's fused optimizer is wanted (`fused_optimizer_wanted`: on one GPU by default), the
+    one stage it runs at; ZeRO-3 with parameter offload (it exists only there)."""
     offload = train.get("offload") or {}
     if offload.get("param", "none") != "none":
         return 3
     if fused_optimizer_wanted(train, world):
         return 0
-    return 1 if world == 1 or _accumulates(train, world) else 2
-
-
-def _accumulates(train: dict, world: int) -> bool:
-    """More than one micro-step a step: train.grad_accum, or the one train.global_batch makes
-    (dsconfig.resolve_batch checks the three against each other at launch)."""
-    micro, accum, total = (train.get(k) for k in ("micro_batch", "grad_accum", "global_batch"))
-    if accum is None and micro and total:
-        accum = total // (micro * world)
-    return (accum or 1) > 1
+    return 1 if world == 1 else 2
 
 
 # --------------------------------------------------------------------------- resolving

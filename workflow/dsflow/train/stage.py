@@ -439,7 +439,7 @@ def _auto_layout(
     plan stage planned that very request."""
     if planned is not None and planned["verdict"]["fits"]:
         setup, est = req, planned["estimate"]
-        why = layouts.fit_reason(req, est)
+        why = layouts.fit_reason(req.zero_stage, est, req.gpu_mem_bytes)
     elif req.gpu_mem_bytes is None:
         setup, est, why = req, None, f"GPU memory unknown: ZeRO-{req.zero_stage}"
     else:
@@ -457,7 +457,7 @@ def plan_memory(params: dict, world: int, device: str) -> tuple[dict, dict]:
     (one line says so when it planned other GPUs), else it is made here, once.
 
     `auto` picks the cheapest memory layout the planner says fits (layouts.first_fit: ZeRO-2,
-    ZeRO-1 with gradient accumulation, ZeRO-1 / ZeRO-0 on one GPU, then ZeRO-3 unless train.perf.compile is true, then CPU
+    or ZeRO-1 / ZeRO-0 on one GPU, then ZeRO-3 unless train.perf.compile is true, then CPU
     offload of the optimizer, then of the parameters); on CPU ZeRO-2, with nothing to fit."""
     auto = params["train"]["zero_stage"] == "auto"
     if auto and device != "cuda":
