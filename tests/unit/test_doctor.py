@@ -170,6 +170,26 @@ def test_model_that_does_not_fit_is_a_blocker():
     assert check.status == checks.FAIL and "16-bit weights" in check.detail
 
 
+def test_zero_stage_auto_is_judged_at_the_layout_the_train_stage_launches():
+    # medium on 3 x 8 GB: ZeRO-2, auto's first try, does not fit; ZeRO-3 with the optimizer
+    # offloaded does, and is what the train stage launches: the doctor passes that layout.
+    params = _params(device="cuda", gpus=3, zero_stage="auto", micro_batch=1, seq_len=1024)
+    params["model"]["preset"] = "medium"
+    params["train"]["zero"]["reduce_bucket_size"] = 200_000_000
+    facts = _facts(RTX4090, 8 * GB, p2p=False)
+    plan = checks.plan_for(facts, params, 3)
+    assert (plan["request"]["zero_stage"], plan["request"]["offload_optimizer"]) == (3, True)
+    assert _by_name(checks.diagnose(facts, params))["gpu memory"].status == checks.OK
+    # Pinned, ZeRO-2 is judged as it is: it does not fit.
+    params["train"]["zero_stage"] = 2
+    assert _by_name(checks.diagnose(facts, params))["gpu memory"].status == checks.FAIL
+    # Where nothing fits, the first try's plan says why.
+    params["train"]["zero_stage"] = "auto"
+    params["model"]["preset"] = "deepseek-v3"
+    check = _by_name(checks.diagnose(facts, params))["gpu memory"]
+    assert check.status == checks.FAIL and "ZeRO-2 keeps a full 16-bit copy" in check.detail
+
+
 def test_run_raises_one_line_on_blockers(monkeypatch, capsys):
     facts = _facts(RTX4090[:2], RTX4090_MEM, p2p=False, disk=1 * GB)
     monkeypatch.setattr(machine, "facts", lambda project_dir=".": copy.deepcopy(facts))

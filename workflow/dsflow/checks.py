@@ -26,7 +26,9 @@ class Check:
 
 
 def plan_for(facts: dict, params: dict, world: int) -> dict:
-    """The memory plan of ``params`` on ``world`` ranks of the GPUs and host ``facts`` has."""
+    """The memory plan of ``params`` on ``world`` ranks of the GPUs and host ``facts`` has.
+    With `train.zero_stage: auto` on GPUs it is the plan of the layout the train stage will
+    launch (:func:`dsflow.plan.layouts.first_fit`), not of the first one auto tries."""
     gpus = [
         {
             "name": g["name"],
@@ -43,6 +45,12 @@ def plan_for(facts: dict, params: dict, world: int) -> dict:
         host_mem_bytes=facts.get("host_ram_bytes"),
         disk_free_bytes=facts.get("disk_free_bytes"),
     )
+    if params["train"]["zero_stage"] == "auto" and req.device == "cuda" and req.gpu_mem_bytes:
+        try:
+            setup, est, _ = layouts.first_fit(req, req.host_mem_bytes)
+        except UsageError:  # no layout fits: the first one's plan says why
+            return layouts.assess(req)
+        return layouts.assess(setup, est)
     return layouts.assess(req)
 
 
