@@ -140,9 +140,11 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     for world in (1, 3):
         assert layouts.auto_layout(par, world, "cuda", 80 * gb, host)[:3] == (3, True, True)
     assert layouts.auto_layout(par, 1, "cuda", None, host)[:3] == (3, False, True)
-    # Offload asked for in train.offload is kept.
+    # Offload asked for in train.offload is kept, at auto's first stage (ZeRO-Offload) where it
+    # fits, the layout the plan stage plans; ZeRO-3 with it where that does not fit.
     kept = params_mod.deep_merge(medium, {"train": {"offload": {"optimizer": "cpu"}}})
-    assert layouts.auto_layout(kept, 3, "cuda", 80 * gb, host)[:3] == (3, True, False)
+    assert layouts.auto_layout(kept, 3, "cuda", 80 * gb, host)[:3] == (2, True, False)
+    assert layouts.auto_layout(kept, 3, "cuda", 4 * gb, host)[:3] == (3, True, True)
     # train.perf.compile: true cannot run at ZeRO-3, so auto never picks it: ZeRO-2 with the
     # optimizer offloaded instead, and where even that does not fit, the message says why.
     compiled = params_mod.deep_merge(medium, {"train": {"perf": {"compile": True}}})

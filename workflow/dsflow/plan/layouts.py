@@ -609,9 +609,10 @@ def fit_reason(zero_stage: int, est: dict, gpu_mem_bytes: int) -> str:
 
 def layout_order(req: request.Request) -> list[tuple[int, bool, bool]]:
     """(stage, offload optimizer, offload params) in the order `auto` tries them, from ``req``'s
-    first stage. Without ZeRO-3 where a setting rules it out (``no_zero3``: train.perf.compile:
-    true, or train.perf.fp8): then ZeRO-2, and ZeRO-2 with the optimizer offloaded, follow the
-    first stage."""
+    first stage (then, where train.offload asks for it, with the optimizer offloaded). Without
+    ZeRO-3 where a setting rules it out (``no_zero3``: train.perf.compile: true, or
+    train.perf.fp8): then ZeRO-2, and ZeRO-2 with the optimizer offloaded, follow the first
+    stage."""
     first = req.zero_stage
     if req.world == 1:
         # ZeRO-3 partitions nothing on one GPU: ZeRO-Offload (ZeRO-2, whose CPU offload is
@@ -619,6 +620,10 @@ def layout_order(req: request.Request) -> list[tuple[int, bool, bool]]:
         order = [(first, False, False), (2, True, False), (3, True, False), (3, True, True)]
     else:
         order = [(first, False, False), (3, False, False), (3, True, False), (3, True, True)]
+        if req.offload_optimizer and first in (1, 2):
+            # Asked for in train.offload, the optimizer's offload is tried at the first stage
+            # (ZeRO-Offload), the layout the plan stage plans, before ZeRO-3 with it.
+            order.insert(1, (first, True, False))
     if req.no_zero3:
         order = [o for o in order if o[0] != 3 and o != (2, True, False)]
         order += [(2, False, False), (2, True, False)]
