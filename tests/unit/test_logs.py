@@ -12,7 +12,7 @@ import pytest
 
 from conftest import dsflow, update_params
 from dsflow import progress
-from dsflow.train import cpuop
+from dsflow.train import cpuop, metrics
 
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
 
@@ -181,3 +181,21 @@ def test_a_line_reaches_the_log_past_an_earlier_stages_closed_handlers(tmp_path,
     path = tmp_path / "train.log"
     progress.to_log("dsflow train: error: refused", path)
     assert path.read_text().rstrip().endswith("dsflow train: error: refused")
+
+
+def test_the_train_bar_tells_the_time_left_at_the_runs_average_rate(tmp_path, monkeypatch):
+    """Every 50th step validates (1.6 s more than a 0.64 s step): drawn right after one, as the
+    log keeps it, the bar gives the time the 200 steps left take at the run's average."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DSFLOW_PROGRESS", raising=False)
+    logger = metrics.Logger(start=0, steps=300, resumed=False)
+    clock = [0.0]
+    logger.bar._time = lambda: clock[0]
+    logger.bar.start_t = logger.bar.last_print_t = 0.0
+    for step in range(1, 101):
+        clock[0] += 0.64 + (1.6 if step % 50 == 0 else 0.0)
+        logger.progress(2.0, 9000.0)
+    minutes, seconds = re.search(r"<(\d\d):(\d\d)", str(logger.bar)).groups()
+    average = clock[0] / 100  # 0.672 s a step
+    assert 60 * int(minutes) + int(seconds) == pytest.approx(200 * average, abs=2)
+    logger.close()

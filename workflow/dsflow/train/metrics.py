@@ -195,7 +195,9 @@ class Logger:
             # the GPU waits. With Studio
             # set up it stays as it is.
             self.live.post_data_to_studio = lambda: None
-        self.bar = bar(desc="train", total=steps, initial=start, unit="step")
+        # The run's average rate, not tqdm's moving one: a validation or a save pauses one step,
+        # and the log keeps the bar as drawn at those very steps (its time left twice too long).
+        self.bar = bar(desc="train", total=steps, initial=start, unit="step", smoothing=0)
 
     def log(self, step: int, metrics: dict) -> None:
         self.live.step = step
