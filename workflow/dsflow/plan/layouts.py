@@ -620,10 +620,10 @@ def layout_order(req: request.Request) -> list[tuple[int, bool, bool]]:
         order = [(first, False, False), (2, True, False), (3, True, False), (3, True, True)]
     else:
         order = [(first, False, False), (3, False, False), (3, True, False), (3, True, True)]
-        if req.offload_optimizer and first in (1, 2):
-            # Asked for in train.offload, the optimizer's offload is tried at the first stage
-            # (ZeRO-Offload), the layout the plan stage plans, before ZeRO-3 with it.
-            order.insert(1, (first, True, False))
+    if req.offload_optimizer and first in (1, 2):
+        # Asked for in train.offload, the optimizer's offload is tried at the first stage
+        # (ZeRO-Offload), the layout the plan stage plans, before any other stage with it.
+        order.insert(1, (first, True, False))
     if req.no_zero3:
         order = [o for o in order if o[0] != 3 and o != (2, True, False)]
         order += [(2, False, False), (2, True, False)]
