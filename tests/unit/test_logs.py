@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -130,6 +131,39 @@ def test_the_cpu_op_is_missing_until_its_library_is_in_torchs_cache(tmp_path, mo
     assert cpuop.needs_build({})
     fake_built_op(root)
     assert not cpuop.needs_build({})
+
+
+def test_a_cpu_op_built_in_another_environment_is_built_again(tmp_path, monkeypatch):
+    """Two venvs of one Python share torch's cache: torch rebuilds an op whose build.ninja names
+    another DeepSpeed or torch, so the stage builds (and says) it before the ranks start."""
+    import deepspeed
+    import torch
+
+    monkeypatch.setattr(cpuop, "prebuilt", lambda: False)
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    folder = tmp_path / cpuop.NAME
+    folder.mkdir()
+    (folder / f"{cpuop.NAME}.so").write_bytes(b"\x7fELF")
+    ours = Path(deepspeed.__file__).parent, Path(torch.__file__).parent
+    ninja = "cflags = -I{}/ops/csrc/cpu/includes -isystem {}/include\n"
+    (folder / "build.ninja").write_text(ninja.format(*ours))
+    assert not cpuop.needs_build(env)
+    (folder / "build.ninja").write_text(ninja.format("/other/venv/deepspeed", ours[1]))
+    assert cpuop.needs_build(env)
+    (folder / "build.ninja").write_text(ninja.format(ours[0], "/other/venv/torch"))
+    assert cpuop.needs_build(env)
+    # Stands in for DeepSpeed's build: writes this environment's build.ninja.
+    fake = f"import pathlib; pathlib.Path({str(folder / 'build.ninja')!r})"
+    fake += f".write_text({ninja.format(*ours)!r})"
+    monkeypatch.setattr(cpuop, "BUILD", [sys.executable, "-c", fake])
+    progress.setup_logging("train", log_dir=tmp_path / "logs")
+    cpuop.build(env)
+    lines = log_lines(tmp_path / "logs/train.log")
+    assert lines[0] == (
+        "[dsflow train] building DeepSpeed's CPU op again: its cache holds another "
+        "environment's build"
+    )
+    assert not cpuop.needs_build(env)
 
 
 def test_the_cpu_op_build_is_announced_only_when_it_happens(tmp_path, monkeypatch, capsys):

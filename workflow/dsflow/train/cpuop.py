@@ -54,8 +54,25 @@ def prebuilt() -> bool:
 
 
 def needs_build(env: Mapping[str, str]) -> bool:
-    """Whether starting ranks on CPU would compile the op first (it is in no cache yet)."""
-    return not prebuilt() and not built_path(env).exists()
+    """Whether starting ranks on CPU would compile the op first: it is in no cache yet, or the
+    cached one was built in another environment."""
+    return not prebuilt() and (not built_path(env).exists() or built_elsewhere(env))
+
+
+def built_elsewhere(env: Mapping[str, str]) -> bool:
+    """Whether the cached op was built from another DeepSpeed's sources or against another
+    torch (another venv of the same Python shares torch's cache): torch's JIT loader then
+    compiles it again in the ranks, its build.ninja naming other paths."""
+    try:
+        ninja = (built_path(env).parent / "build.ninja").read_text()
+    except OSError:
+        return False
+    return not all(any(root in ninja for root in _roots(pkg)) for pkg in ("deepspeed", "torch"))
+
+
+def _roots(package: str) -> list[str]:
+    spec = importlib.util.find_spec(package)
+    return [str(Path(r)) + "/" for r in (spec.submodule_search_locations or [])] if spec else []
 
 
 def build(env: Mapping[str, str], output: int | None = None) -> None:
@@ -63,7 +80,10 @@ def build(env: Mapping[str, str], output: int | None = None) -> None:
     `env`: the ranks' environment; `output`: where the compiler's output goes."""
     if not needs_build(env):
         return
-    log.info("building DeepSpeed's CPU op: first run only, about 2 minutes")
+    if built_path(env).exists():
+        log.info("building DeepSpeed's CPU op again: its cache holds another environment's build")
+    else:
+        log.info("building DeepSpeed's CPU op: first run only, about 2 minutes")
     start = time.perf_counter()
     code = subprocess.call(BUILD, env=dict(env), stdout=output, stderr=output)
     if code != 0:
