@@ -133,6 +133,14 @@ def test_the_cpu_op_is_missing_until_its_library_is_in_torchs_cache(tmp_path, mo
     assert not cpuop.needs_build({})
 
 
+def build_with(fake: str, env: dict, tmp_path, monkeypatch) -> list[str]:
+    """The train stage's log lines of cpuop.build with `fake` (Python code) as DeepSpeed's build."""
+    monkeypatch.setattr(cpuop, "BUILD", [sys.executable, "-c", fake])
+    progress.setup_logging("train", log_dir=tmp_path / "logs")
+    cpuop.build(env)
+    return log_lines(tmp_path / "logs/train.log")
+
+
 def test_a_cpu_op_built_in_another_environment_is_built_again(tmp_path, monkeypatch):
     """Two venvs of one Python share torch's cache: torch rebuilds an op whose build.ninja names
     another DeepSpeed or torch, so the stage builds (and says) it before the ranks start."""
@@ -155,10 +163,7 @@ def test_a_cpu_op_built_in_another_environment_is_built_again(tmp_path, monkeypa
     # Stands in for DeepSpeed's build: writes this environment's build.ninja.
     fake = f"import pathlib; pathlib.Path({str(folder / 'build.ninja')!r})"
     fake += f".write_text({ninja.format(*ours)!r})"
-    monkeypatch.setattr(cpuop, "BUILD", [sys.executable, "-c", fake])
-    progress.setup_logging("train", log_dir=tmp_path / "logs")
-    cpuop.build(env)
-    lines = log_lines(tmp_path / "logs/train.log")
+    lines = build_with(fake, env, tmp_path, monkeypatch)
     assert lines[0] == (
         "[dsflow train] building DeepSpeed's CPU op again: its cache holds another "
         "environment's build"
@@ -172,10 +177,7 @@ def test_the_cpu_op_build_is_announced_only_when_it_happens(tmp_path, monkeypatc
     # Stands in for DeepSpeed's build: writes the library where torch's build would.
     fake = f"import pathlib; p = pathlib.Path({str(tmp_path)!r}, {cpuop.NAME!r}); "
     fake += f"p.mkdir(); (p / '{cpuop.NAME}.so').write_bytes(b'')"
-    monkeypatch.setattr(cpuop, "BUILD", [sys.executable, "-c", fake])
-    progress.setup_logging("train", log_dir=tmp_path / "logs")
-    cpuop.build(env)
-    lines = log_lines(tmp_path / "logs/train.log")
+    lines = build_with(fake, env, tmp_path, monkeypatch)
     assert lines[0] == "[dsflow train] building DeepSpeed's CPU op: first run only, about 2 minutes"
     assert re.fullmatch(
         rf"\[dsflow train\] built DeepSpeed's CPU op in \d+ s \(cached in {tmp_path}/{cpuop.NAME}\)",
