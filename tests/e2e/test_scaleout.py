@@ -145,7 +145,12 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     kept = params_mod.deep_merge(medium, {"train": {"offload": {"optimizer": "cpu"}}})
     assert layouts.auto_layout(kept, 3, "cuda", 80 * gb, host)[:3] == (2, True, False)
     assert layouts.auto_layout(kept, 3, "cuda", 4 * gb, host)[:3] == (3, True, True)
-    assert layouts.auto_layout(kept, 1, "cuda", 80 * gb, host)[:3] == (1, True, False)
+    assert layouts.auto_layout(kept, 1, "cuda", 80 * gb, host)[:3] == (2, True, False)
+    # NVMe offload exists at ZeRO-3 only: asked for, auto plans there, on any number of GPUs.
+    nvme = {"train": {"offload": {"optimizer": "nvme", "nvme_path": "/nvme"}}}
+    nvme = params_mod.deep_merge(medium, nvme)
+    for world in (1, 3):
+        assert layouts.auto_layout(nvme, world, "cuda", 80 * gb, host)[:3] == (3, True, False)
     # train.perf.compile: true cannot run at ZeRO-3, so auto never picks it: ZeRO-2 with the
     # optimizer offloaded instead, and where even that does not fit, the message says why.
     compiled = params_mod.deep_merge(medium, {"train": {"perf": {"compile": True}}})

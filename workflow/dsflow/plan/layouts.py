@@ -620,7 +620,9 @@ def layout_order(req: request.Request) -> list[tuple[int, bool, bool]]:
         order = [(first, False, False), (2, True, False), (3, True, False), (3, True, True)]
     else:
         order = [(first, False, False), (3, False, False), (3, True, False), (3, True, True)]
-    if req.offload_optimizer and first in (1, 2):
+    if req.offload_device == "nvme":  # DeepSpeed offloads to NVMe at ZeRO-3 only
+        order = [o for o in order if o[0] == 3 or not o[1]]
+    elif req.offload_optimizer and first in (1, 2):
         # Asked for in train.offload, the optimizer's offload is tried at the first stage
         # (ZeRO-Offload), the layout the plan stage plans, before any other stage with it.
         order.insert(1, (first, True, False))

@@ -174,12 +174,16 @@ def auto_first_stage(train: dict, world: int) -> int:
     """The first ZeRO stage `train.zero_stage: auto` tries on GPUs: ZeRO-2; on one GPU, where
     there is nothing to partition, ZeRO-1 (no per-parameter gradient hooks); ZeRO-0 where
     dsflow's fused optimizer is wanted (`fused_optimizer_wanted`: on one GPU by default), the
-    one stage it runs at; ZeRO-3 with parameter offload (it exists only there)."""
+    one stage it runs at; ZeRO-3 with parameter offload or NVMe offload (they exist only there);
+    ZeRO-2 on one GPU with CPU optimizer offload (ZeRO-Offload: DeepSpeed hooks every gradient
+    at ZeRO-1 too then)."""
     offload = train.get("offload") or {}
-    if offload.get("param", "none") != "none":
+    if offload.get("param", "none") != "none" or offload.get("optimizer") == "nvme":
         return 3
     if fused_optimizer_wanted(train, world):
         return 0
+    if offload.get("optimizer", "none") != "none":
+        return 2
     return 1 if world == 1 else 2
 
 
