@@ -198,6 +198,7 @@ class Logger:
         # The run's average rate, not tqdm's moving one: a validation or a save pauses one step,
         # and the log keeps the bar as drawn at those very steps (its time left twice too long).
         self.bar = bar(desc="train", total=steps, initial=start, unit="step", smoothing=0)
+        self.warm = False
 
     def log(self, step: int, metrics: dict) -> None:
         self.live.step = step
@@ -209,6 +210,10 @@ class Logger:
     def progress(self, loss: float, tokens_per_s: float) -> None:
         self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         self.bar.update(1)
+        if not self.warm and not self.bar.disable:
+            # The first step holds the compilation and warm-up: the average starts after it.
+            self.warm = True
+            self.bar.start_t, self.bar.initial = self.bar._time(), self.bar.n
 
     def close(self) -> None:
         self.bar.close()
