@@ -151,6 +151,9 @@ def test_auto_picks_the_cheapest_layout_that_fits():
     nvme = params_mod.deep_merge(medium, nvme)
     for world in (1, 3):
         assert layouts.auto_layout(nvme, world, "cuda", 80 * gb, host)[:3] == (3, True, False)
+    nvme_compiled = params_mod.deep_merge(nvme, {"train": {"perf": {"compile": True}}})
+    with pytest.raises(UsageError, match="train.offload.optimizer: nvme needs ZeRO-3"):
+        layouts.auto_layout(nvme_compiled, 3, "cuda", 80 * gb, host)
     # train.perf.compile: true cannot run at ZeRO-3, so auto never picks it: ZeRO-2 with the
     # optimizer offloaded instead, and where even that does not fit, the message says why.
     compiled = params_mod.deep_merge(medium, {"train": {"perf": {"compile": True}}})

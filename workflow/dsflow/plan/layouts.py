@@ -636,10 +636,11 @@ def first_fit(req: request.Request, host_mem_bytes: int | None) -> tuple[memory.
     """(setup, estimate, why) of the first layout `auto` tries that fits, in cost order from
     ``req``'s layout (its first stage); a UsageError names the cheapest fit when none does."""
     want_opt, want_par = req.offload_optimizer, req.offload_params
-    if req.no_zero3 and want_par:
+    if req.no_zero3 and (want_par or req.offload_device == "nvme"):
+        key, fix = ("param", "none") if want_par else ("optimizer", "cpu")
         raise UsageError(
-            f"train.offload.param: cpu needs ZeRO-3, which {req.no_zero3} rules out; "
-            f"change {req.no_zero3.split(':')[0]}, or set train.offload.param: none"
+            f"train.offload.{key}: {req.offload_device} needs ZeRO-3, which {req.no_zero3} "
+            f"rules out; change {req.no_zero3.split(':')[0]}, or set train.offload.{key}: {fix}"
         )
     order = layout_order(req)
     reason = ""
