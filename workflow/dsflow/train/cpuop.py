@@ -48,9 +48,7 @@ def built_path(env: Mapping[str, str]) -> Path:
 
 def prebuilt() -> bool:
     """Whether DeepSpeed was installed with the op compiled in (DS_BUILD_SHM_COMM=1)."""
-    spec = importlib.util.find_spec("deepspeed")
-    roots = spec.submodule_search_locations if spec else None
-    return any(any((Path(r) / "ops" / "comm").glob(f"{NAME}_op*.so")) for r in roots or [])
+    return any(any((Path(r) / "ops" / "comm").glob(f"{NAME}_op*.so")) for r in _roots("deepspeed"))
 
 
 def needs_build(env: Mapping[str, str]) -> bool:
@@ -71,6 +69,7 @@ def built_elsewhere(env: Mapping[str, str]) -> bool:
 
 
 def _roots(package: str) -> list[str]:
+    """The folders `package` imports from, each ending in a slash (as build.ninja names files)."""
     spec = importlib.util.find_spec(package)
     return [str(Path(r)) + "/" for r in (spec.submodule_search_locations or [])] if spec else []
 
