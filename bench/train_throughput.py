@@ -24,7 +24,8 @@ bf16, the same data, seed, batch and sequence length) twice:
   `zero1`, `zero0`: one GPU has nothing to partition; `zero1` without DeepSpeed's
   per-parameter gradient hooks, as train.zero's auto has it on one rank, `zero1-hooks` with
   them) or DeepSpeed's overlap_comm off (`no-overlap`), DeepSpeed's ZeRO-1/2 bf16 step with its
-  host syncs (`no-device-step`: train.perf.device_step false); the MoE levers off: `hf-experts` (train.perf.experts: hf), `eager-hooks`
+  host syncs (`no-device-step`: train.perf.device_step false), DeepSpeed's own gradient copies
+  (`ds-hooks`: train.perf.lean_grad_hooks false); the MoE levers off: `hf-experts` (train.perf.experts: hf), `eager-hooks`
   (train.perf.compile_router_hooks: false); `sorted-experts`, `compiled-hooks` and
   `sorted-compiled-hooks` turn them on whatever `auto` would pick;
   `fused-optimizer` (train.perf.optimizer: fused, at ZeRO-0: the default on one GPU),
@@ -174,6 +175,8 @@ VARIANTS = {
     "no-overlap": {"zero": {"overlap_comm": False}},
     # DeepSpeed's ZeRO-1/2 bf16 step with its host syncs (train.perf.device_step off)
     "no-device-step": {"perf": {"device_step": False}},
+    # DeepSpeed's own per-parameter gradient copies at ZeRO-1/2 (train.perf.lean_grad_hooks off)
+    "ds-hooks": {"perf": {"lean_grad_hooks": False}},
     # the classic setup's levers: fp16 with dynamic loss scaling, gradient accumulation
     "fp16": {"precision": "fp16"},
     "accum2": {"grad_accum": 2},

@@ -52,7 +52,7 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu_but_for_flash_attention():
     auto = {"compile": "auto", "attention": "auto", "ce_chunk": "auto", "prefetch": True}
     fast = fastpaths.Perf(
         True, "flash_padded", 8192, True, False, fused_grad_checks=True, experts="sorted",
-        experts_fallback=True, async_metrics=True, device_step=True,
+        experts_fallback=True, async_metrics=True, device_step=True, lean_grad_hooks=True,
     )  # fmt: skip
     assert fastpaths.resolve(auto, "cuda") == fast
     assert not fastpaths.resolve({**auto, "async_metrics": False}, "cuda").async_metrics
@@ -65,7 +65,9 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu_but_for_flash_attention():
     assert fastpaths.resolve(auto, "cuda", precision="fp32").experts == "hf"
     assert fastpaths.resolve(auto, "cuda", zero_stage=3).experts == "hf"
     # MLA's padded attention takes SDPA's flash kernel for CPU as well (its math kernel else)
-    assert fastpaths.resolve(auto, "cpu") == fastpaths.Perf(False, "flash_padded", 0, True, False)
+    assert fastpaths.resolve(auto, "cpu") == fastpaths.Perf(
+        False, "flash_padded", 0, True, False, lean_grad_hooks=True
+    )
     assert fastpaths.resolve({**auto, "attention": "sdpa"}, "cpu").attention == "sdpa"
     assert fastpaths.resolve({**auto, "ce_chunk": 512, "compile": True}, "cpu").ce_chunk == 512
     # ZeRO-3 gathers parameters in module hooks: auto turns compile off, true is refused.

@@ -51,6 +51,10 @@
   overflow check and clipping (dsflow.train.devicestep): torch's fused AdamW inside it skips a
   non-finite step on the device. `auto` = on for CUDA where it applies (ZeRO-1/2, bf16,
   DeepSpeed's optimizer without offload, no train.ds_config file merged).
+- `lean_grad_hooks`: DeepSpeed's ZeRO-1/2 per-parameter gradient copies (into the reduce
+  bucket in its backward hook, then into the rank's partition buffer) in fewer launches
+  (dsflow.train.gradhooks): the same gradients bit for bit. `auto` = on at ZeRO-1/2 without
+  optimizer offload, CPU too.
 - `async_metrics`: each step's numbers (loss, gradient norm, expert counts, memory, the stop
   flag) are read back one step late (dsflow.train.metrics), so the host queues the next step
   while the GPU finishes this one instead of waiting for it (docs/performance.md). `auto` = on
@@ -129,6 +133,7 @@ class Perf:
         False  # each step's numbers read back one step late (dsflow.train.metrics)
     )
     device_step: bool = False  # ZeRO-1/2 bf16 step decided on the device (train.devicestep)
+    lean_grad_hooks: bool = False  # ZeRO-1/2 gradient copies in fewer launches (train.gradhooks)
     fp8: str = "off"  # "off" | a dsflow.model.float8 recipe: "tensorwise" | "rowwise"
     fp8_linears: int = 0  # how many linears apply() turned into float8 ones
     fp8_experts: bool = False  # the routed experts' grouped GEMMs in FP8 (sorted experts)
@@ -154,7 +159,8 @@ class Perf:
             f"fused gradient checks {'on' if self.fused_grad_checks else 'off'}, "
             f"experts {self.experts}{' where it applies' if self.experts_fallback else ''}, "
             f"router hooks {'compiled' if self.hooks_traced else 'eager'}, "
-            f"optimizer {self._optimizer_words()}, "
+            f"optimizer {self._optimizer_words()}"
+            f"{', lean gradient hooks' if self.lean_grad_hooks else ''}, "
             f"step metrics {'read one step late' if self.async_metrics else 'read at once'}, "
             f"FP8 {f'{self.fp8} on {self.fp8_linears} linears' if self.fp8 != 'off' else 'off'}"
             f"{', FP8 routed experts (rowwise)' if self.fp8_experts else ''}"
@@ -229,6 +235,7 @@ def resolve(
         device_step=device_step_choice(
             perf, zero_stage, precision, optimizer, optimizer_offload, cuda, user_config
         ),
+        lean_grad_hooks=lean_grad_hooks(perf, zero_stage, optimizer_offload),
         async_metrics=bool(pick("async_metrics", True, False)),
         fp8=fp8_choice(perf, zero_stage, precision),
         fp8_experts=bool(perf.get("fp8_experts")) and fp8_allowed(perf, zero_stage, precision),
@@ -345,18 +352,32 @@ def device_step_choice(
     return bool(value)
 
 
+def lean_grad_hooks(perf: dict, zero_stage: int, optimizer_offload: bool) -> bool:
+    """On wherever it fits, CPU too: the same gradients bit for bit with fewer dispatches.
+    Whether DeepSpeed hooks each gradient at all (ZeRO-2; ZeRO-1 with overlap_comm) is its
+    engine's choice: train.gradhooks.install finds out."""
+    return _zero_optimizer_knob(perf, "lean_grad_hooks", zero_stage, optimizer_offload, True)
+
+
 def fused_grad_checks(perf: dict, zero_stage: int, optimizer_offload: bool, cuda: bool) -> bool:
-    """On for CUDA where it fits (bf16, fp16 and fp32); `true` insists, `false` never."""
-    value = perf.get("fused_grad_checks", "auto")
-    # Only DeepSpeed's ZeRO-1/2 optimizer, on the device, has the per-tensor loops it replaces.
+    """On for CUDA where it fits (bf16, fp16 and fp32); `true` insists, `false` never. On CPU
+    the per-tensor launches it saves cost little."""
+    return _zero_optimizer_knob(perf, "fused_grad_checks", zero_stage, optimizer_offload, cuda)
+
+
+def _zero_optimizer_knob(
+    perf: dict, key: str, zero_stage: int, optimizer_offload: bool, auto: bool
+) -> bool:
+    """A knob of DeepSpeed's ZeRO-1/2 optimizer on the device (only it has the per-tensor work
+    these replace): `auto` = `auto` where it fits, `true` insists, `false` never."""
+    value = perf.get(key, "auto")
     fits = zero_stage in (1, 2) and not optimizer_offload
     if value == "auto":
-        # On CPU the per-tensor launches cost little.
-        return fits and cuda
+        return fits and auto
     if value and not fits:
         where = "train.offload.optimizer" if optimizer_offload else f"train.zero_stage {zero_stage}"
         raise UsageError(
-            f"train.perf.fused_grad_checks: true needs ZeRO stage 1 or 2 without optimizer "
+            f"train.perf.{key}: true needs ZeRO stage 1 or 2 without optimizer "
             f"offload (this run has {where}); set it to auto or false"
         )
     return bool(value)

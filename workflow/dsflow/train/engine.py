@@ -18,7 +18,7 @@ from dsflow.model.balance import ExpertBalancer
 from dsflow.model.build import build_model
 from dsflow.model.loss import TrainingLM, evaluate_loss
 from dsflow.model.presets import model_config
-from dsflow.train import devicestep, fusedgrads
+from dsflow.train import devicestep, fusedgrads, gradhooks
 from dsflow.train.masteradam import MasterAdamW
 from dsflow.train.metrics import all_sum
 from dsflow.train.runspec import RunSpec
@@ -131,6 +131,8 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
         # ZeRO-0's all-reduce of one rank would only copy every gradient into buckets and back.
         engine.enable_backward_allreduce = False
     _install_fused_grad_checks(engine, perf, rank)
+    if perf.lean_grad_hooks:
+        _install_lean_grad_hooks(engine, rank)
     # DeepSpeed broadcasts parameters at start-up, not buffers: give every rank rank 0's biases.
     balancer.sync_bias()
     return Run(engine, model, balancer, perf, optimizer, device, rank, spec.world, adapter)
@@ -206,6 +208,17 @@ def _fused_optimizer(trainee: TrainingLM, trainable: list, spec: RunSpec) -> Mas
         weight_decay=opt["weight_decay"],
         max_grad_norm=spec.grad_clip,
     )
+
+
+def _install_lean_grad_hooks(engine: Any, rank: int) -> None:
+    # Silent where DeepSpeed hooks no gradient (ZeRO-1 without overlap_comm): nothing to do.
+    if not gradhooks.install(engine.optimizer) and gradhooks.hooked(engine.optimizer):
+        if rank == 0:
+            print(
+                "[dsflow train] train.perf.lean_grad_hooks: not applicable to this layout "
+                "(see dsflow.train.gradhooks.install); DeepSpeed's own hooks run",
+                file=sys.stderr,
+            )
 
 
 def _install_fused_grad_checks(engine: Any, perf: fastpaths.Perf, rank: int) -> None:

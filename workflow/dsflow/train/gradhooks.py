@@ -1,0 +1,163 @@
+"""ZeRO-1/2's per-parameter gradient work in fewer launches (train.perf.lean_grad_hooks).
+
+With contiguous gradients DeepSpeed 0.19's ZeRO-2 (and ZeRO-1 with overlap_comm) handles each
+parameter's gradient twice per micro-step, each time from Python: its backward hook copies the
+gradient into the reduce bucket (narrow, view, copy, view_as and two `.data` swaps), and once
+the bucket is reduced it copies the parameter's reduced gradient out into the rank's partition
+buffer (as many again), one parameter at a time. About thirteen dispatches per parameter, 240
+parameters in the `medium` MoE, at every micro-step: on a GPU host at a small micro batch the
+host's launches are the step (docs/performance.md).
+
+Here the same copies are made with fewer launches:
+- the hook: one view of the bucket at the gradient's shape (`as_strided`), one copy, and the
+  parameter's gradient becomes that view (DeepSpeed swaps the gradient's `.data` to it: the
+  same values at the same addresses either way);
+- after a bucket's reduction, the gradients that DeepSpeed copies into the partition buffer one
+  by one are copied by one `_foreach_copy_`, on the stream DeepSpeed copies them on, into views
+  of the buffer kept from step to step (the buffer lives as long as the optimizer).
+The order of every copy, the buckets' sizes and flushes, the reduction, the epilogue and the
+step are DeepSpeed's own; the gradients are the same bit for bit. Where a parameter is not the
+common case (larger than a bucket, a bucket about to flush, a gradient not ready or not
+contiguous), DeepSpeed's own hook takes it.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def install(zero_optimizer) -> bool:
+    """Swap the lean gradient path into a DeepSpeedZeroOptimizer; False where it does not apply
+    (another optimizer, no per-parameter hooks, CPU offload, non-contiguous gradient buckets, a
+    separate accumulation dtype, autocast, ZenFlow, tensor-parallel expert folding)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if type(zero_optimizer) is not DeepSpeedZeroOptimizer or not _fits(zero_optimizer):
+        return False
+    zero_optimizer.process_gradients = types.MethodType(_process_gradients, zero_optimizer)
+    zero_optimizer.reduce_ipg_grads = types.MethodType(_reduce_ipg_grads, zero_optimizer)
+    zero_optimizer.copy_grads_in_partition = types.MethodType(_copy_out, zero_optimizer)
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    zero_optimizer.dsflow_accelerator = accelerator
+    # DeepSpeed notes the streams that filled a bucket, for its reduction to wait on them all.
+    zero_optimizer.dsflow_track_streams = bool(
+        zero_optimizer.overlap_comm and not accelerator.resolves_data_dependency()
+    )
+    zero_optimizer.dsflow_pending = None  # a list while a reduction defers its copies
+    zero_optimizer.dsflow_views = {}  # param id -> (offset, view of grads_in_partition)
+    return True
+
+
+def hooked(zero_optimizer) -> bool:
+    """Whether DeepSpeed hooks each parameter's gradient in this optimizer."""
+    return bool(
+        getattr(zero_optimizer, "partition_gradients", False)
+        or getattr(zero_optimizer, "overlap_comm", False)
+    )
+
+
+def _fits(opt) -> bool:
+    from deepspeed.runtime.torch_autocast import is_autocast_initialized
+
+    return bool(
+        (opt.partition_gradients or opt.overlap_comm)
+        and opt.contiguous_gradients
+        and not opt.cpu_offload
+        and not opt.zenflow
+        and not opt.use_grad_accum_attribute
+        and opt.autoep_folding_tp_group is None
+        and not is_autocast_initialized()
+        and not any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups)))
+    )
+
+
+def _process_gradients(self, param, i) -> None:
+    """DeepSpeed's process_gradients, the common case's copy into the bucket in two launches."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if self._coalesce_grad_reduction:
+        return
+    self.setup_buckets()
+    if not (self.partition_gradients or self.is_gradient_accumulation_boundary()):
+        return  # ZeRO-1 reduces at the accumulation boundary only, as DeepSpeed does
+    grad, n = param.grad, param.numel()
+    bucket = self.ipg_buckets[self.get_param_comm_dtype(param)]
+    if (
+        grad is None
+        or n == 0
+        or bucket.elements + n > self.reduce_bucket_size
+        or not getattr(param, "ds_grad_is_ready", True)
+        or not grad.is_contiguous()
+    ):
+        DeepSpeedZeroOptimizer.process_gradients(self, param, i)
+        return
+    param_id = self.param_id[id(param)]
+    assert not self.params_already_reduced[param_id], "a gradient computed twice"
+    buffer = bucket.buffer[bucket.index]
+    slot = buffer.as_strided(grad.shape, grad.stride(), buffer.storage_offset() + bucket.elements)
+    slot.copy_(grad)
+    param.grad = slot
+    if self.dsflow_track_streams:
+        bucket.copy_streams.add(self.dsflow_accelerator.current_stream())
+    bucket.elements += n
+    bucket.grads.append(slot)
+    bucket.params.append((i, param.param_idx_in_group, param_id))
+    if getattr(param, "allreduce", True) is False:  # deepspeed.moe.utils.is_moe_param
+        bucket.has_moe_params = True
+
+
+def _reduce_ipg_grads(self, comm_dtype=None) -> None:
+    """DeepSpeed's reduce_ipg_grads, its copies into the partition buffer made at the end in one
+    launch on the stream DeepSpeed makes them on."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    self.dsflow_pending = []
+    try:
+        DeepSpeedZeroOptimizer.reduce_ipg_grads(self, comm_dtype)
+        pending = self.dsflow_pending
+    finally:
+        self.dsflow_pending = None
+    if pending:
+        accelerator = self.dsflow_accelerator
+        stream = self.reduction_stream if self.overlap_comm else accelerator.current_stream()
+        with accelerator.stream(stream):
+            _copy_all(self, pending)
+
+
+def _copy_out(self, param, group_idx=None) -> None:
+    """DeepSpeed's copy_grads_in_partition, deferred to the end of the reduction when one runs
+    and the partition buffer exists (DeepSpeed allocates it at the first copy)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if self.dsflow_pending is None or self.grads_in_partition is None:
+        DeepSpeedZeroOptimizer.copy_grads_in_partition(self, param, group_idx)
+    else:
+        self.dsflow_pending.append(param)
+
+
+def _copy_all(self, params: list) -> None:
+    """Each parameter's gradient into the partition buffer at the next offset, as DeepSpeed's
+    copy_grads_in_partition does one by one, and the gradient becomes that view."""
+    base = self.grads_in_partition
+    start, size = base.data_ptr(), base.element_size()
+    views, grads = [], []
+    for param in params:
+        grad, n = param.grad, param.numel()
+        offset = self.grads_in_partition_offset
+        param_id = self.param_id[id(param)]
+        view = self.dsflow_views.get(param_id)
+        # A kept view is used only where it still is what DeepSpeed would make: DeepSpeed's
+        # own paths swap a gradient's .data, and the gradient may be this very view.
+        if view is None or view.data_ptr() != start + offset * size or view.shape != grad.shape:
+            view = base.view(-1).narrow(0, offset, n).view(grad.shape)
+            self.dsflow_views[param_id] = view
+        views.append(view)
+        grads.append(grad)
+        self.grads_in_partition_offset += n
+    torch._foreach_copy_(views, grads)
+    for param, view in zip(params, views, strict=True):
+        param.grad = view
