@@ -1,24 +1,25 @@
 """ZeRO-1/2's per-parameter gradient work in fewer launches (train.perf.lean_grad_hooks).
 
 With contiguous gradients DeepSpeed 0.19's ZeRO-2 (and ZeRO-1 with overlap_comm) handles each
-parameter's gradient twice per micro-step, each time from Python: its backward hook copies the
-gradient into the reduce bucket (narrow, view, copy, view_as and two `.data` swaps), and once
-the bucket is reduced it copies the parameter's reduced gradient out into the rank's partition
-buffer (as many again), one parameter at a time. About thirteen dispatches per parameter, 240
-parameters in the `medium` MoE, at every micro-step: on a GPU host at a small micro batch the
-host's launches are the step (docs/performance.md).
+parameter's gradient up to three times per micro-step, one parameter at a time from Python:
+its backward hook copies the gradient into the reduce bucket (narrow, view, copy, view_as and
+`.data` swaps); once the bucket is reduced it copies the parameter's reduced gradient out into
+the rank's partition buffer (as many again); and each micro-step after the first, the
+epilogue adds the new gradients to those it holds from the micro-steps before, one `add_`
+each. The `medium` MoE has 240 parameters: on a GPU host at a small micro batch the host's
+launches are the step (docs/performance.md).
 
-Here the same copies are made with fewer launches:
+Here the same arithmetic is launched less often:
 - the hook: one view of the bucket at the gradient's shape (`as_strided`), one copy, and the
   parameter's gradient becomes that view (DeepSpeed swaps the gradient's `.data` to it: the
   same values at the same addresses either way);
-- after a bucket's reduction, the gradients that DeepSpeed copies into the partition buffer one
-  by one are copied by one `_foreach_copy_`, on the stream DeepSpeed copies them on, into views
-  of the buffer kept from step to step (the buffer lives as long as the optimizer).
-The order of every copy, the buckets' sizes and flushes, the reduction, the epilogue and the
-step are DeepSpeed's own; the gradients are the same bit for bit. Where a parameter is not the
-common case (larger than a bucket, a bucket about to flush, a gradient not ready or not
-contiguous), DeepSpeed's own hook takes it.
+- after a bucket's reduction, the gradients DeepSpeed copies into the partition buffer one by
+  one are copied by one `_foreach_copy_`, on the stream DeepSpeed copies them on;
+- the epilogue's accumulation is one `_foreach_add_`.
+The order of the buckets' copies, their sizes and flushes, the reduction, the rest of the
+epilogue and the step are DeepSpeed's own; the gradients are the same bit for bit. Where a
+parameter is not the common case (larger than a bucket, a bucket about to flush, a gradient
+not ready or not contiguous), DeepSpeed's own hook takes it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ def install(zero_optimizer) -> bool:
         zero_optimizer.overlap_comm and not accelerator.resolves_data_dependency()
     )
     zero_optimizer.dsflow_pending = None  # a list while a reduction defers its copies
-    zero_optimizer.dsflow_views = {}  # param id -> (offset, view of grads_in_partition)
+    zero_optimizer.get_all_grad_tensors = types.MethodType(_all_grad_tensors, zero_optimizer)
+    # the epilogue asks for each group's gradients by its list of parameters in the partition
+    zero_optimizer.dsflow_groups = {
+        id(params): i for i, params in enumerate(zero_optimizer.params_in_partition)
+    }
     return True
 
 
@@ -141,23 +146,33 @@ def _copy_out(self, param, group_idx=None) -> None:
 
 def _copy_all(self, params: list) -> None:
     """Each parameter's gradient into the partition buffer at the next offset, as DeepSpeed's
-    copy_grads_in_partition does one by one, and the gradient becomes that view."""
+    copy_grads_in_partition does one by one, and the gradient becomes that view. (DeepSpeed
+    allocates the buffer anew at every micro-step, so a view is made each time.)"""
     base = self.grads_in_partition
-    start, size = base.data_ptr(), base.element_size()
     views, grads = [], []
     for param in params:
-        grad, n = param.grad, param.numel()
-        offset = self.grads_in_partition_offset
-        param_id = self.param_id[id(param)]
-        view = self.dsflow_views.get(param_id)
-        # A kept view is used only where it still is what DeepSpeed would make: DeepSpeed's
-        # own paths swap a gradient's .data, and the gradient may be this very view.
-        if view is None or view.data_ptr() != start + offset * size or view.shape != grad.shape:
-            view = base.view(-1).narrow(0, offset, n).view(grad.shape)
-            self.dsflow_views[param_id] = view
-        views.append(view)
+        grad, offset = param.grad, self.grads_in_partition_offset
+        if grad.is_contiguous():
+            views.append(base.as_strided(grad.shape, grad.stride(), base.storage_offset() + offset))
+        else:  # DeepSpeed's own views (and its error, view_as's)
+            views.append(base.view(-1).narrow(0, offset, grad.numel()).view_as(grad))
         grads.append(grad)
-        self.grads_in_partition_offset += n
+        self.grads_in_partition_offset += grad.numel()
     torch._foreach_copy_(views, grads)
     for param, view in zip(params, views, strict=True):
         param.grad = view
+
+
+def _all_grad_tensors(self, tensor_list, dtype) -> list:
+    """DeepSpeed's get_all_grad_tensors. Its one caller, the epilogue of each micro-step, adds
+    what it returns to the gradients it holds from the micro-steps before, one tensor at a
+    time; that sum is made here in one launch, and nothing is left for the epilogue to add."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    grads = DeepSpeedZeroOptimizer.get_all_grad_tensors(self, tensor_list, dtype)
+    group = self.dsflow_groups.get(id(tensor_list))
+    held = self.all_grad_tensors.get(group) if group is not None else None
+    if held is None:
+        return grads
+    torch._foreach_add_(held, grads)
+    return []
