@@ -11,8 +11,7 @@ launches are the step (docs/performance.md).
 
 Here the same arithmetic is launched less often:
 - the hook: one view of the bucket at the gradient's shape (`as_strided`), one copy, and the
-  parameter's gradient becomes that view (DeepSpeed swaps the gradient's `.data` to it: the
-  same values at the same addresses either way);
+  gradient's `.data` swapped to that view, as DeepSpeed swaps it;
 - after a bucket's reduction, the gradients DeepSpeed copies into the partition buffer one by
   one are copied by one `_foreach_copy_`, on the stream DeepSpeed copies them on;
 - the epilogue's accumulation is one `_foreach_add_`.
@@ -105,11 +104,13 @@ def _process_gradients(self, param, i) -> None:
     buffer = bucket.buffer[bucket.index]
     slot = buffer.as_strided(grad.shape, grad.stride(), buffer.storage_offset() + bucket.elements)
     slot.copy_(grad)
-    param.grad = slot
+    # As DeepSpeed does: the gradient tensor itself now holds the slot, so its own memory is
+    # freed here even while the compiled backward that produced it still holds the tensor.
+    grad.data = slot
     if self.dsflow_track_streams:
         bucket.copy_streams.add(self.dsflow_accelerator.current_stream())
     bucket.elements += n
-    bucket.grads.append(slot)
+    bucket.grads.append(grad)
     bucket.params.append((i, param.param_idx_in_group, param_id))
     if getattr(param, "allreduce", True) is False:  # deepspeed.moe.utils.is_moe_param
         bucket.has_moe_params = True
@@ -146,7 +147,7 @@ def _copy_out(self, param, group_idx=None) -> None:
 
 def _copy_all(self, params: list) -> None:
     """Each parameter's gradient into the partition buffer at the next offset, as DeepSpeed's
-    copy_grads_in_partition does one by one, and the gradient becomes that view. (DeepSpeed
+    copy_grads_in_partition does one by one, and the gradient's data swapped to it. (DeepSpeed
     allocates the buffer anew at every micro-step, so a view is made each time.)"""
     base = self.grads_in_partition
     views, grads = [], []
@@ -159,8 +160,8 @@ def _copy_all(self, params: list) -> None:
         grads.append(grad)
         self.grads_in_partition_offset += grad.numel()
     torch._foreach_copy_(views, grads)
-    for param, view in zip(params, views, strict=True):
-        param.grad = view
+    for grad, view in zip(grads, views, strict=True):
+        grad.data = view
 
 
 def _all_grad_tensors(self, tensor_list, dtype) -> list:
