@@ -13,6 +13,7 @@ dispatcher). Then the ratio of each variant to the first. A proxy for the GPU ho
 CPU, kernels launched instead of run), not a GPU measurement.
 
     python bench/host_overhead.py --configs dense,moe --variants deepspeed,fused-checks,zero1
+    python bench/host_overhead.py --configs moe --variants zero1,deepspeed,lean-hooks
 """
 
 from __future__ import annotations
@@ -29,16 +30,19 @@ from dsflow.launch import free_port
 
 # Overlays on the train section (ZeRO-2 unless a variant says otherwise), as in
 # bench/train_throughput.py. ZeRO-1 on this one rank gets no per-parameter gradient hooks
-# (train.zero's auto); zero1-hooks turns them back on.
+# (train.zero's auto); zero1-hooks turns them back on. DeepSpeed's own gradient hooks but in
+# `lean-hooks` (train.perf.lean_grad_hooks).
+DS_HOOKS = {"lean_grad_hooks": False}
 VARIANTS = {
-    "deepspeed": {},
-    "fused-checks": {"perf": {"fused_grad_checks": True}},
-    "zero1": {"zero_stage": 1},
-    "zero1-fused": {"zero_stage": 1, "perf": {"fused_grad_checks": True}},
+    "deepspeed": {"perf": DS_HOOKS},
+    "lean-hooks": {"perf": {"lean_grad_hooks": True}},
+    "fused-checks": {"perf": {"fused_grad_checks": True, **DS_HOOKS}},
+    "zero1": {"zero_stage": 1, "perf": DS_HOOKS},
+    "zero1-fused": {"zero_stage": 1, "perf": {"fused_grad_checks": True, **DS_HOOKS}},
     "zero1-hooks": {
         "zero_stage": 1,
         "zero": {"overlap_comm": True, "contiguous_gradients": True},
-        "perf": {"fused_grad_checks": True},
+        "perf": {"fused_grad_checks": True, **DS_HOOKS},
     },
 }
 SHRUNK = {  # the medium preset's structure at 1/16 of its widths
@@ -71,7 +75,7 @@ def measure(config: str, variant: str, steps: int) -> dict:
     from dsflow.model.loss import TrainingLM
     from dsflow.model.presets import model_config
     from dsflow.params import deep_merge, load
-    from dsflow.train import fusedgrads
+    from dsflow.train import fusedgrads, gradhooks
     from dsflow.train.diagnostics import count_within
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -89,6 +93,8 @@ def measure(config: str, variant: str, steps: int) -> dict:
     )
     if perf.fused_grad_checks:
         assert fusedgrads.install(engine.optimizer)
+    if perf.lean_grad_hooks:
+        assert gradhooks.install(engine.optimizer)
     tokens = torch.randint(0, 512, (2, 65), generator=torch.Generator().manual_seed(0))
     times: dict[str, list[float]] = {p: [] for p in PHASES}
 
