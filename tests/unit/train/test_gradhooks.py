@@ -24,10 +24,11 @@ RANK_SCRIPT = textwrap.dedent(
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from dsflow.train import gradhooks
 
-    device, stage, precision, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    device, stage, precision, shape, out = sys.argv[1], int(sys.argv[2]), *sys.argv[3:6]
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ACCUM, DTYPE = 3, {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    WIDTH = 2 if shape == "small" else 37
 
     def engine(lean):
         torch.manual_seed(0)
@@ -35,6 +36,8 @@ RANK_SCRIPT = textwrap.dedent(
             torch.nn.Linear(37, 53), torch.nn.GELU(), torch.nn.Linear(53, 9),
             torch.nn.Linear(9, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 5),
         )
+        if shape == "small":  # 4 elements, padded to 6: the third rank's share is padding only
+            model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 2, bias=False))
         config = {
             "train_batch_size": 2 * ACCUM * world, "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": ACCUM, "gradient_clipping": 0.5,
@@ -69,7 +72,7 @@ RANK_SCRIPT = textwrap.dedent(
         for step in range(4):
             for micro in range(ACCUM):
                 torch.manual_seed(1000 * step + 10 * micro + rank)
-                x = torch.randn(2, 37, dtype=DTYPE).to(eng.device)
+                x = torch.randn(2, WIDTH, dtype=DTYPE).to(eng.device)
                 loss = eng(x).float().pow(2).mean() * 100
                 with Count() as count:
                     eng.backward(loss)
@@ -116,7 +119,7 @@ RANK_SCRIPT = textwrap.dedent(
 def test_lean_gradient_hooks_train_as_deepspeeds_bit_for_bit_with_fewer_dispatches(
     stage, device, precision, tmp_path
 ):
-    r = rank_script(tmp_path, RANK_SCRIPT, device, str(stage), precision)
+    r = rank_script(tmp_path, RANK_SCRIPT, device, str(stage), precision, "odd")
     assert r["lean"]["installed"] is True and r["deepspeed"]["installed"] is False
     assert r["same_masters"] and r["same_weights"], r
     plain, lean = r["deepspeed"], r["lean"]
@@ -128,6 +131,15 @@ def test_lean_gradient_hooks_train_as_deepspeeds_bit_for_bit_with_fewer_dispatch
     # one launch.
     lean_reduced = plain["deepspeed_hooks"] - lean["deepspeed_hooks"]
     assert plain["ops"] - lean["ops"] >= 3 * lean_reduced, r
+
+
+@pytest.mark.slow
+def test_a_rank_whose_partition_holds_no_tensor_accumulates_as_deepspeeds(tmp_path):
+    """One weight of 4 elements on 3 ranks, ZeRO-2 with accumulation: DeepSpeed pads the
+    partitions, and a rank whose share is padding only holds no gradient to accumulate."""
+    r = rank_script(tmp_path, RANK_SCRIPT, "cpu", "2", "bf16", "small")
+    assert r["lean"]["installed"] is True
+    assert r["same_masters"] and r["same_weights"], r
 
 
 @pytest.mark.parametrize(

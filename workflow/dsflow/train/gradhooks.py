@@ -40,6 +40,7 @@ def install(zero_optimizer) -> bool:
     zero_optimizer.reduce_ipg_grads = types.MethodType(_reduce_ipg_grads, zero_optimizer)
     zero_optimizer.copy_grads_in_partition = types.MethodType(_copy_out, zero_optimizer)
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.moe.utils import is_moe_param
 
     accelerator = get_accelerator()
     zero_optimizer.dsflow_accelerator = accelerator
@@ -49,6 +50,13 @@ def install(zero_optimizer) -> bool:
     )
     zero_optimizer.dsflow_pending = None  # a list while a reduction defers its copies
     zero_optimizer.get_all_grad_tensors = types.MethodType(_all_grad_tensors, zero_optimizer)
+    # The accumulation is taken over only where the epilogue asks (DeepCompile also calls
+    # get_all_grad_tensors); the epilogue may be dsflow.train.devicestep's.
+    zero_optimizer.dsflow_in_epilogue = False
+    zero_optimizer.independent_gradient_partition_epilogue = _flagged(
+        zero_optimizer, zero_optimizer.independent_gradient_partition_epilogue
+    )
+    zero_optimizer.dsflow_is_moe = is_moe_param
     # the epilogue asks for each group's gradients by its list of parameters in the partition
     zero_optimizer.dsflow_groups = {
         id(params): i for i, params in enumerate(zero_optimizer.params_in_partition)
@@ -112,7 +120,7 @@ def _process_gradients(self, param, i) -> None:
     bucket.elements += n
     bucket.grads.append(grad)
     bucket.params.append((i, param.param_idx_in_group, param_id))
-    if getattr(param, "allreduce", True) is False:  # deepspeed.moe.utils.is_moe_param
+    if self.dsflow_is_moe(param):
         bucket.has_moe_params = True
 
 
@@ -173,7 +181,20 @@ def _all_grad_tensors(self, tensor_list, dtype) -> list:
     grads = DeepSpeedZeroOptimizer.get_all_grad_tensors(self, tensor_list, dtype)
     group = self.dsflow_groups.get(id(tensor_list))
     held = self.all_grad_tensors.get(group) if group is not None else None
-    if held is None:
+    if not (self.dsflow_in_epilogue and held):  # held is [] where the partition holds none
         return grads
     torch._foreach_add_(held, grads)
     return []
+
+
+def _flagged(self, epilogue):
+    """`epilogue` with self.dsflow_in_epilogue set while it runs."""
+
+    def run() -> None:
+        self.dsflow_in_epilogue = True
+        try:
+            epilogue()
+        finally:
+            self.dsflow_in_epilogue = False
+
+    return run
