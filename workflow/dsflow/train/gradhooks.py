@@ -32,35 +32,31 @@ def install(zero_optimizer) -> bool:
     """Swap the lean gradient path into a DeepSpeedZeroOptimizer; False where it does not apply
     (another optimizer, no per-parameter hooks, CPU offload, non-contiguous gradient buckets, a
     separate accumulation dtype, autocast, ZenFlow, tensor-parallel expert folding)."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.moe.utils import is_moe_param
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if type(zero_optimizer) is not DeepSpeedZeroOptimizer or not _fits(zero_optimizer):
         return False
-    zero_optimizer.process_gradients = types.MethodType(_process_gradients, zero_optimizer)
-    zero_optimizer.reduce_ipg_grads = types.MethodType(_reduce_ipg_grads, zero_optimizer)
-    zero_optimizer.copy_grads_in_partition = types.MethodType(_copy_out, zero_optimizer)
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.moe.utils import is_moe_param
-
-    accelerator = get_accelerator()
-    zero_optimizer.dsflow_accelerator = accelerator
+    opt, accelerator = zero_optimizer, get_accelerator()
+    opt.dsflow_deepspeed = DeepSpeedZeroOptimizer  # its own methods, for the uncommon cases
+    opt.dsflow_accelerator = accelerator
+    opt.dsflow_is_moe = is_moe_param
     # DeepSpeed notes the streams that filled a bucket, for its reduction to wait on them all.
-    zero_optimizer.dsflow_track_streams = bool(
-        zero_optimizer.overlap_comm and not accelerator.resolves_data_dependency()
+    opt.dsflow_track_streams = bool(opt.overlap_comm and not accelerator.resolves_data_dependency())
+    opt.dsflow_pending = None  # a list while a reduction defers its copies
+    # The epilogue asks for each group's gradients by its list of parameters in the partition;
+    # the accumulation is taken over only while it runs (DeepCompile also asks).
+    opt.dsflow_groups = {id(params): i for i, params in enumerate(opt.params_in_partition)}
+    opt.dsflow_in_epilogue = False
+    opt.process_gradients = types.MethodType(_process_gradients, opt)
+    opt.reduce_ipg_grads = types.MethodType(_reduce_ipg_grads, opt)
+    opt.copy_grads_in_partition = types.MethodType(_copy_out, opt)
+    opt.get_all_grad_tensors = types.MethodType(_all_grad_tensors, opt)
+    # (the epilogue may be dsflow.train.devicestep's)
+    opt.independent_gradient_partition_epilogue = _flagged(
+        opt, opt.independent_gradient_partition_epilogue
     )
-    zero_optimizer.dsflow_pending = None  # a list while a reduction defers its copies
-    zero_optimizer.get_all_grad_tensors = types.MethodType(_all_grad_tensors, zero_optimizer)
-    # The accumulation is taken over only where the epilogue asks (DeepCompile also calls
-    # get_all_grad_tensors); the epilogue may be dsflow.train.devicestep's.
-    zero_optimizer.dsflow_in_epilogue = False
-    zero_optimizer.independent_gradient_partition_epilogue = _flagged(
-        zero_optimizer, zero_optimizer.independent_gradient_partition_epilogue
-    )
-    zero_optimizer.dsflow_is_moe = is_moe_param
-    # the epilogue asks for each group's gradients by its list of parameters in the partition
-    zero_optimizer.dsflow_groups = {
-        id(params): i for i, params in enumerate(zero_optimizer.params_in_partition)
-    }
     return True
 
 
@@ -89,8 +85,6 @@ def _fits(opt) -> bool:
 
 def _process_gradients(self, param, i) -> None:
     """DeepSpeed's process_gradients, the common case's copy into the bucket in two launches."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
     if self._coalesce_grad_reduction:
         return
     self.setup_buckets()
@@ -105,7 +99,7 @@ def _process_gradients(self, param, i) -> None:
         or not getattr(param, "ds_grad_is_ready", True)
         or not grad.is_contiguous()
     ):
-        DeepSpeedZeroOptimizer.process_gradients(self, param, i)
+        self.dsflow_deepspeed.process_gradients(self, param, i)
         return
     param_id = self.param_id[id(param)]
     assert not self.params_already_reduced[param_id], "a gradient computed twice"
@@ -127,11 +121,9 @@ def _process_gradients(self, param, i) -> None:
 def _reduce_ipg_grads(self, comm_dtype=None) -> None:
     """DeepSpeed's reduce_ipg_grads, its copies into the partition buffer made at the end in one
     launch on the stream DeepSpeed makes them on."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
     self.dsflow_pending = []
     try:
-        DeepSpeedZeroOptimizer.reduce_ipg_grads(self, comm_dtype)
+        self.dsflow_deepspeed.reduce_ipg_grads(self, comm_dtype)
         pending = self.dsflow_pending
     finally:
         self.dsflow_pending = None
@@ -145,10 +137,8 @@ def _reduce_ipg_grads(self, comm_dtype=None) -> None:
 def _copy_out(self, param, group_idx=None) -> None:
     """DeepSpeed's copy_grads_in_partition, deferred to the end of the reduction when one runs
     and the partition buffer exists (DeepSpeed allocates it at the first copy)."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
     if self.dsflow_pending is None or self.grads_in_partition is None:
-        DeepSpeedZeroOptimizer.copy_grads_in_partition(self, param, group_idx)
+        self.dsflow_deepspeed.copy_grads_in_partition(self, param, group_idx)
     else:
         self.dsflow_pending.append(param)
 
@@ -173,12 +163,10 @@ def _copy_all(self, params: list) -> None:
 
 
 def _all_grad_tensors(self, tensor_list, dtype) -> list:
-    """DeepSpeed's get_all_grad_tensors. Its one caller, the epilogue of each micro-step, adds
-    what it returns to the gradients it holds from the micro-steps before, one tensor at a
-    time; that sum is made here in one launch, and nothing is left for the epilogue to add."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    grads = DeepSpeedZeroOptimizer.get_all_grad_tensors(self, tensor_list, dtype)
+    """DeepSpeed's get_all_grad_tensors. The epilogue of each micro-step adds what it returns to
+    the gradients it holds from the micro-steps before, one tensor at a time; asked by the
+    epilogue, that sum is made here in one launch, and nothing is left for it to add."""
+    grads = self.dsflow_deepspeed.get_all_grad_tensors(self, tensor_list, dtype)
     group = self.dsflow_groups.get(id(tensor_list))
     held = self.all_grad_tensors.get(group) if group is not None else None
     if not (self.dsflow_in_epilogue and held):  # held is [] where the partition holds none
