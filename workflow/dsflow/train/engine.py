@@ -110,6 +110,10 @@ def build(spec: RunSpec, rank: int, device: torch.device) -> Run:
         compiled=perf.compile,
     )
     trainee = _universal(trainee)
+    if spec.zero3 and perf.ce_chunk:
+        # The fused loss reads lm_head.weight without calling lm_head: ZeRO-3 gathers it for
+        # the whole forward (and its backward) only as an external parameter of the trainee.
+        deepspeed.zero.register_external_parameter(trainee, trainee.lm_head.weight)
     trainable = [p for p in trainee.parameters() if p.requires_grad]
     optimizer = _fused_optimizer(trainee, trainable, spec) if perf.optimizer == "fused" else None
     client = devicestep.optimizer(trainable, spec.optimizer) if perf.device_step else optimizer
