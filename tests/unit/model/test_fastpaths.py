@@ -65,7 +65,7 @@ def test_auto_means_fast_on_cuda_and_plain_on_cpu_but_for_flash_attention():
     assert fastpaths.resolve(auto, "cuda", precision="fp32").experts == "hf"
     assert fastpaths.resolve(auto, "cuda", zero_stage=3).experts == "hf"
     # MLA's padded attention takes SDPA's flash kernel for CPU as well (its math kernel else)
-    # and the fused loss, whose one pass over the logits shortens a CPU step too
+    # and the fused loss, which shortens a CPU step too (docs/performance.md)
     assert fastpaths.resolve(auto, "cpu") == fastpaths.Perf(
         False, "flash_padded", 8192, True, False, lean_grad_hooks=True
     )

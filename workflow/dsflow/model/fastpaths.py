@@ -201,9 +201,9 @@ def resolve(
     # it off there, as the planner counts it (its fp32 weight-gradient buffer outweighs the
     # logits for the largest vocabularies at micro 1), and a chunk size turns it on. On CPU
     # too: the `tiny` main job's step on 3 CPU ranks 4.5% shorter (docs/performance.md).
-    ce_chunk = DEFAULT_CE_CHUNK if perf.get("ce_chunk", "auto") == "auto" else perf["ce_chunk"]
-    if precision == "fp16" and perf.get("ce_chunk", "auto") == "auto":
-        ce_chunk = 0
+    ce_chunk = perf.get("ce_chunk", "auto")
+    if ce_chunk == "auto":
+        ce_chunk = 0 if precision == "fp16" else DEFAULT_CE_CHUNK
     liger = bool(perf.get("liger", False))
     if liger:
         ce_chunk = _liger_ce_chunk(perf)

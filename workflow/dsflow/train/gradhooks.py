@@ -72,7 +72,7 @@ def _fits(opt) -> bool:
     from deepspeed.runtime.torch_autocast import is_autocast_initialized
 
     return bool(
-        (opt.partition_gradients or opt.overlap_comm)
+        hooked(opt)
         and opt.contiguous_gradients
         and not opt.cpu_offload
         and not opt.zenflow
