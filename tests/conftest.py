@@ -15,6 +15,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+# `pytest -n auto`: pytest-xdist's hooks (optional: without it the suite runs in one process).
+from xdist_hooks import pytest_xdist_auto_num_workers, pytest_xdist_make_scheduler  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -31,37 +34,6 @@ requires_cuda = pytest.mark.skipif(
     not _has_cuda(), reason="needs a CUDA GPU (pytest -m cuda on the GPU host)"
 )
 needs_cuda = [pytest.mark.cuda, requires_cuda]
-
-# --------------------------------------------------------------------------- parallel workers
-# `pytest -n auto` (pytest-xdist, the test extra) runs the suite in workers. Optional hooks:
-# without pytest-xdist (the GPU host) the suite runs in one process as before.
-
-WORKER_RAM_GB = 6  # a worker's test starts up to 4 CPU ranks of about 1 GB, and a front-end
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker per core, as many as the RAM holds; none for `-m cuda` (one GPU);
-    PYTEST_XDIST_AUTO_NUM_WORKERS, where set, decides as pytest-xdist documents."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return None
-    if "cuda" in (config.getoption("markexpr") or ""):
-        return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    return max(1, min(cores or 1, int(ram_gb // WORKER_RAM_GB)))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """A file's tests on one worker (`--dist loadfile`) unless another --dist is asked for: the
-    module-scoped runs a file's tests share (a trained run, a killed one) are then made once."""
-    if config.getoption("dist") != "load":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    return LoadFileScheduling(config, log)
-
 
 # --------------------------------------------------------------------------- params overlays
 # The tests' params are built from these, so that a run's shape is read in one place.

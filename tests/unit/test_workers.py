@@ -1,4 +1,4 @@
-"""`pytest -n auto`: the suite's workers, as tests/conftest.py's pytest-xdist hooks choose them."""
+"""`pytest -n auto`: the suite's workers, as tests/xdist_hooks.py chooses them."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-import conftest
+import xdist_hooks
 
 pytest.importorskip("xdist")
 
@@ -28,14 +27,11 @@ def test_a(): note("a")
 def test_b(): note("b")
 def test_c(): note("c")
 """
-# The suite's conftest takes the hooks from tests/conftest.py as they are.
+# The suite's conftest takes the hooks in as tests/conftest.py does.
 HOOKS = f"""
-import importlib.util
-spec = importlib.util.spec_from_file_location("dsflow_conftest", {str(Path(conftest.__file__))!r})
-hooks = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(hooks)
-pytest_xdist_auto_num_workers = hooks.pytest_xdist_auto_num_workers
-pytest_xdist_make_scheduler = hooks.pytest_xdist_make_scheduler
+import sys
+sys.path.insert(0, {str(Path(xdist_hooks.__file__).parent)!r})
+from xdist_hooks import pytest_xdist_auto_num_workers, pytest_xdist_make_scheduler
 """
 
 
@@ -77,20 +73,22 @@ def test_auto_is_a_worker_per_core_that_the_ram_holds_and_none_for_cuda(monkeypa
 
     def workers(markexpr: str = "") -> int | None:
         options = {"markexpr": markexpr}
-        return conftest.pytest_xdist_auto_num_workers(SimpleNamespace(getoption=options.get))
+        return xdist_hooks.pytest_xdist_auto_num_workers(SimpleNamespace(getoption=options.get))
 
     machine(cores=2, ram_gb=24)
     assert workers() == 2
+    assert workers("cuda") == 0 and workers("cuda and slow") == 0  # only GPU tests: one GPU
+    assert workers("not cuda") == 2 and workers("slow") == 2 and workers("cuda or slow") == 2
     machine(cores=64, ram_gb=24)
-    assert workers() == 24 // conftest.WORKER_RAM_GB
+    assert workers() == 24 // xdist_hooks.WORKER_RAM_GB
     machine(cores=8, ram_gb=4)
     assert workers() == 1
-    assert workers("cuda") == 0 and workers("cuda and slow") == 0
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "3")
     assert workers() is None  # pytest-xdist's own hook reads it
 
 
-def test_auto_on_the_command_line_starts_the_chosen_workers(tmp_path):
-    _, notes = suite(tmp_path, "-n", "auto")
-    want = conftest.pytest_xdist_auto_num_workers(SimpleNamespace(getoption={}.get))
+def test_auto_on_the_command_line_starts_the_chosen_workers(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    _, notes = suite(tmp_path, "-n", "auto", "--maxprocesses", "2")
+    want = min(2, xdist_hooks.pytest_xdist_auto_num_workers(SimpleNamespace(getoption={}.get)))
     assert len(notes) == 6 and {count for _, _, count in notes} == {str(want)}
