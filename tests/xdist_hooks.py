@@ -1,8 +1,8 @@
 """`pytest -n auto` (pytest-xdist, the test extra): how many workers, and which tests go where.
 
 tests/conftest.py takes these hooks in. They are optional: without pytest-xdist (the GPU host)
-pytest never calls them and the suite runs in one process. No torch here: every worker, and
-tests/unit/test_workers.py's small suites, import this module.
+pytest never calls them and the suite runs in one process. No torch here (dsflow.machine has
+none): every worker, and tests/unit/test_workers.py's small suites, import this module.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from dsflow import machine
 
 WORKER_RAM_GB = 6  # a worker's test starts up to 4 CPU ranks of about 1 GB, and a front-end
 
@@ -22,7 +24,8 @@ def gpu_only(markexpr: str) -> bool:
     from _pytest.mark.expression import Expression  # pytest's own reading of -m
 
     expr = Expression.compile(markexpr)
-    return expr.evaluate(lambda mark: True) and not expr.evaluate(lambda mark: mark != "cuda")
+    every_mark = expr.evaluate(lambda mark, **kwargs: True)
+    return every_mark and not expr.evaluate(lambda mark, **kwargs: mark != "cuda")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -35,8 +38,9 @@ def pytest_xdist_auto_num_workers(config):
     if gpu_only(config.getoption("markexpr") or ""):
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    return max(1, min(cores or 1, int(ram_gb // WORKER_RAM_GB)))
+    ram = machine.host_memory_bytes()  # a container's limit where it has one
+    held = cores if ram is None else int(ram / 1e9 // WORKER_RAM_GB)
+    return max(1, min(cores or 1, held))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -64,12 +64,11 @@ def test_an_asked_for_dist_mode_is_kept(tmp_path):
 
 def test_auto_is_a_worker_per_core_that_the_ram_holds_and_none_for_cuda(monkeypatch):
     monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
-    page = 4096
 
-    def machine(cores: int, ram_gb: float) -> None:
+    def machine(cores: int, ram_gb: float | None) -> None:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-        pages = {"SC_PAGE_SIZE": page, "SC_PHYS_PAGES": int(ram_gb * 1e9 / page)}
-        monkeypatch.setattr(os, "sysconf", pages.__getitem__)
+        ram = None if ram_gb is None else int(ram_gb * 1e9)
+        monkeypatch.setattr(xdist_hooks.machine, "host_memory_bytes", lambda: ram)
 
     def workers(markexpr: str = "") -> int | None:
         options = {"markexpr": markexpr}
@@ -83,6 +82,8 @@ def test_auto_is_a_worker_per_core_that_the_ram_holds_and_none_for_cuda(monkeypa
     assert workers() == 24 // xdist_hooks.WORKER_RAM_GB
     machine(cores=8, ram_gb=4)
     assert workers() == 1
+    machine(cores=3, ram_gb=None)  # RAM unknown: the cores decide
+    assert workers() == 3
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "3")
     assert workers() is None  # pytest-xdist's own hook reads it
 
